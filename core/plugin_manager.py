@@ -1,0 +1,219 @@
+"""Finds plugins through package entry points, loads each once, and collects what they register.
+
+Failure policy (STYLE.md): a plugin that fails to import or register is skipped with a warning and shown as
+broken by `pagedllm plugins`; when the config explicitly asks for one of its components, the selector raises
+with the plugin and distribution named. `PAGEDLLM_PLUGINS` (comma-separated entry-point or distribution
+names) is an allow-list for third-party plugins; pagedllm's own plugins always load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from pagedllm import hookspecs
+from pagedllm.plugin_spec import ComponentSpec, PluginKind, PluginLoadError
+
+ALLOWLIST_ENV = "PAGEDLLM_PLUGINS"
+OWN_DISTRIBUTION = "pagedllm"
+
+
+@dataclass
+class PluginRecord:
+    """One entry point (or programmatically registered object) and what became of it."""
+
+    name: str
+    group: str
+    value: str
+    distribution: str
+    version: str
+    status: str  # "loaded", "broken", "blocked"
+    error: str = ""
+
+
+class PluginManager:
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager("pagedllm")
+        self._pm.add_hookspecs(hookspecs)
+        self._lock = threading.Lock()
+        self._discovered = False
+        self.records: list[PluginRecord] = []
+        self._components: dict[PluginKind, dict[str, ComponentSpec]] = {k: {} for k in PluginKind}
+        self._plugin_dist: dict[str, tuple[str, str]] = {}
+
+    @property
+    def hook(self) -> Any:
+        """Lifecycle hooks: `pm.hook.engine_started(engine=...)` etc."""
+        self.discover()
+        return self._pm.hook
+
+    def discover(self, entry_points: Callable[[str], list[Any]] | None = None) -> None:
+        """Load every entry point of every kind's group, once per manager."""
+        with self._lock:
+            if self._discovered:
+                return
+            self._discovered = True
+            find = entry_points or _entry_points
+            allowed = _allowlist()
+            for kind in PluginKind:
+                for ep in find(kind.entry_point_group):
+                    self._load_entry_point(kind, ep, allowed)
+            self._pm.check_pending()
+            self._collect()
+
+    def register(self, plugin: object, name: str, distribution: str = "", version: str = "") -> None:
+        """Register a plugin object directly (tests, embedding applications)."""
+        self.discover()
+        with self._lock:
+            self._pm.register(plugin, name=name)
+            self._pm.check_pending()
+            self._plugin_dist[name] = (distribution or "<in-process>", version)
+            self.records.append(PluginRecord(name, "<direct>", repr(plugin), distribution, version, "loaded"))
+            self._collect()
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._pm.unregister(name=name)
+            self.records = [r for r in self.records if not (r.group == "<direct>" and r.name == name)]
+            self._collect()
+
+    def components(self, kind: PluginKind) -> list[ComponentSpec]:
+        self.discover()
+        return list(self._components[kind].values())
+
+    def get(self, kind: PluginKind, name: str) -> ComponentSpec | None:
+        self.discover()
+        return self._components[kind].get(name)
+
+    def broken(self) -> list[PluginRecord]:
+        self.discover()
+        return [r for r in self.records if r.status == "broken"]
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _load_entry_point(self, kind: PluginKind, ep: Any, allowed: set[str] | None) -> None:
+        dist_name, version = _dist_of(ep)
+        plugin_name = f"{ep.group}:{ep.name}"
+        record = PluginRecord(ep.name, ep.group, ep.value, dist_name, version, "loaded")
+        self.records.append(record)
+        if allowed is not None and dist_name != OWN_DISTRIBUTION and not ({ep.name, dist_name} & allowed):
+            record.status = "blocked"
+            record.error = f"not in {ALLOWLIST_ENV}"
+            return
+        if self._pm.has_plugin(plugin_name):
+            return
+        try:
+            module = ep.load()
+            self._pm.register(module, name=plugin_name)
+        except Exception as exc:
+            record.status = "broken"
+            record.error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"pagedllm plugin '{ep.name}' ({ep.value}) from distribution {dist_name} {version} "
+                f"failed to load and is skipped: {record.error}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self._plugin_dist[plugin_name] = (dist_name, version)
+
+    def _collect(self) -> None:
+        """Ask every plugin to register its components, attributing each registration to its plugin."""
+        components: dict[PluginKind, dict[str, ComponentSpec]] = {k: {} for k in PluginKind}
+        for kind in PluginKind:
+            hook = getattr(self._pm.hook, kind.hook_name)
+            # get_hookimpls() is in registration order (entry-point order); pluggy's LIFO call order is not used.
+            for impl in hook.get_hookimpls():
+                dist, version = self._plugin_dist.get(impl.plugin_name, ("?", ""))
+                register = _Registrar(kind, impl.plugin_name, dist, version, components[kind])
+                try:
+                    impl.function(register=register)
+                except Exception as exc:
+                    self._mark_broken(impl.plugin_name, f"{kind.hook_name} raised {type(exc).__name__}: {exc}")
+        self._components = components
+
+    def _mark_broken(self, plugin_name: str, error: str) -> None:
+        for record in self.records:
+            if f"{record.group}:{record.name}" == plugin_name or record.name == plugin_name:
+                record.status = "broken"
+                record.error = error
+        warnings.warn(f"pagedllm plugin '{plugin_name}' is broken and skipped: {error}", RuntimeWarning, stacklevel=3)
+
+
+class _Registrar:
+    """The `register(...)` callable handed to one plugin's registration hook."""
+
+    def __init__(
+        self, kind: PluginKind, plugin: str, dist: str, version: str, into: dict[str, ComponentSpec]
+    ) -> None:
+        self.kind, self.plugin, self.dist, self.version, self.into = kind, plugin, dist, version, into
+
+    def __call__(
+        self,
+        name: str,
+        load: Callable[[], Any],
+        *,
+        priority: int = 0,
+        requires: tuple[str, ...] | list[str] = (),
+        check: Callable[[Any], list[str]] | None = None,
+        description: str = "",
+        **meta: Any,
+    ) -> None:
+        existing = self.into.get(name)
+        if existing is not None and not meta.get("override", False):
+            raise PluginLoadError(
+                f"{self.kind.value} '{name}' is registered twice: by {existing.plugin} "
+                f"({existing.distribution}) and by {self.plugin} ({self.dist}); pass override=True to replace"
+            )
+        self.into[name] = ComponentSpec(
+            kind=self.kind,
+            name=name,
+            load=load,
+            priority=priority,
+            requires=tuple(requires),
+            check=check,
+            description=description,
+            meta=meta,
+            plugin=self.plugin,
+            distribution=self.dist,
+            version=self.version,
+        )
+
+
+def _entry_points(group: str) -> list[Any]:
+    return list(importlib.metadata.entry_points(group=group))
+
+
+def _dist_of(ep: Any) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "?", ""
+    return dist.metadata["Name"] or "?", dist.version or ""
+
+
+def _allowlist() -> set[str] | None:
+    raw = os.environ.get(ALLOWLIST_ENV)
+    if raw is None:
+        return None
+    return {item.strip() for item in raw.split(",") if item.strip()}
+
+
+_default: PluginManager | None = None
+_default_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager; plugins are discovered on first use, once."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PluginManager()
+    _default.discover()
+    return _default

@@ -1,0 +1,100 @@
+"""What a plugin registers: one record per component, with enough facts to select and explain."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PluginKind(str, enum.Enum):
+    ATTENTION = "attention_backend"
+    KV_MANAGER = "kv_manager"
+    SCHEDULER = "scheduler"
+    LOADER = "loader"
+    QUANTIZATION = "quantization"
+    MODEL = "model"
+    ENTRYPOINT = "entrypoint"
+
+    @property
+    def hook_name(self) -> str:
+        return _HOOKS[self]
+
+    @property
+    def entry_point_group(self) -> str:
+        return _GROUPS[self]
+
+
+_HOOKS = {
+    PluginKind.ATTENTION: "register_attention_backends",
+    PluginKind.KV_MANAGER: "register_kv_managers",
+    PluginKind.SCHEDULER: "register_schedulers",
+    PluginKind.LOADER: "register_loaders",
+    PluginKind.QUANTIZATION: "register_quantization_methods",
+    PluginKind.MODEL: "register_models",
+    PluginKind.ENTRYPOINT: "register_entrypoints",
+}
+_GROUPS = {
+    PluginKind.ATTENTION: "pagedllm.attention_backends",
+    PluginKind.KV_MANAGER: "pagedllm.kv_managers",
+    PluginKind.SCHEDULER: "pagedllm.schedulers",
+    PluginKind.LOADER: "pagedllm.loaders",
+    PluginKind.QUANTIZATION: "pagedllm.quantization",
+    PluginKind.MODEL: "pagedllm.models",
+    PluginKind.ENTRYPOINT: "pagedllm.entrypoints",
+}
+
+
+@dataclass
+class ComponentSpec:
+    kind: PluginKind
+    name: str
+    load: Callable[[], Any]
+    priority: int = 0
+    requires: tuple[str, ...] = ()
+    check: Callable[[Any], list[str]] | None = None
+    description: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    # Filled in by the plugin manager: who registered it.
+    plugin: str = ""
+    distribution: str = ""
+    version: str = ""
+
+    def missing_requirements(self) -> list[str]:
+        """Reasons from `requires`, found without importing anything."""
+        reasons = []
+        for module in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                reasons.append(f"package providing '{module}' is not installed")
+        return reasons
+
+    def reasons_against(self, context: Any) -> list[str]:
+        """Every reason this component cannot serve `context` (empty: it can)."""
+        reasons = self.missing_requirements()
+        if reasons or self.check is None:
+            return reasons
+        try:
+            return list(self.check(context))
+        except Exception as exc:  # a broken check is a reason, not a crash
+            return [f"capability check failed: {type(exc).__name__}: {exc}"]
+
+    def resolve(self) -> Any:
+        """Import and return the component; an import failure names the plugin and its distribution."""
+        try:
+            return self.load()
+        except Exception as exc:
+            raise PluginLoadError(
+                f"{self.kind.value} '{self.name}' from plugin '{self.plugin}' "
+                f"(distribution {self.distribution or '?'} {self.version}) failed to load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin or component could not be imported or registered."""

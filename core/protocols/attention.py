@@ -1,0 +1,84 @@
+"""Attention backend protocol: the KV layout, the per-step metadata and the kernel.
+
+A backend is a class (registered by a plugin) with static capability methods; the model's attention layers
+each hold one `AttentionImpl` made by `make_impl`. The model runner builds a `CommonAttentionMetadata` per
+step and the backend turns it into whatever its kernel wants with `build_metadata` (once per step, shared by
+all layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-neutral description of one step's batch. B = requests, T = scheduled tokens.
+
+    Tokens of request i occupy rows query_start_loc[i] : query_start_loc[i+1] of q/k/v. Its context after
+    this step is seq_lens[i] tokens, of which the last (query_start_loc[i+1] - query_start_loc[i]) are new;
+    the new token at row t sits at position seq_lens[i] - query_len + (t - query_start_loc[i]) and is
+    written to cache slot slot_mapping[t] = block_table[i][pos // block_size] * block_size + pos % block_size.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, on device
+    seq_lens: torch.Tensor  # [B] int32, on device
+    block_table: torch.Tensor  # [B, max_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [T] int64, on device
+    # Host copies, so backends can plan without a device->host sync.
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Requests are ordered decodes first (query_len == 1), then prefills; this counts the leading decodes.
+    num_decodes: int = 0
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """What a model tells the backend about one attention layer."""
+
+    num_heads: int
+    head_size: int
+    num_kv_heads: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+class AttentionImpl(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_size]
+        key: torch.Tensor,  # [T, num_kv_heads, head_size]
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # the backend's layout, from kv_cache_shape
+        metadata: Any,  # what build_metadata returned
+    ) -> torch.Tensor:  # [T, num_heads, head_size]
+        """Write key/value at metadata's slots, then attend causally over each request's whole context."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    name: ClassVar[str]
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor (K and V together)."""
+        ...
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> Any:
+        """Turn the step's common metadata into this backend's own (called once per step)."""
+        ...
+
+    @staticmethod
+    def make_impl(layer: AttentionLayerConfig) -> AttentionImpl:
+        """Make the per-layer kernel object."""
+        ...

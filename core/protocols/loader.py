@@ -1,0 +1,40 @@
+"""Model loader protocol: where config, tokenizer and weights come from (an HF folder, a GGUF file, dummy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class LoadedModelInfo:
+    """What a loader tells the engine about a model before the weights are read.
+
+    `hf_config` is a transformers PretrainedConfig (architectures, sizes, rope settings). `tokenizer` is a
+    transformers tokenizer or None when the loader has none (dummy weights with random token ids).
+    """
+
+    hf_config: Any
+    tokenizer: Any | None
+    # Token ids that end generation besides the tokenizer's eos (from generation_config.json / GGUF).
+    eos_token_ids: list[int] = field(default_factory=list)
+    # The quantization_config of the checkpoint, if any (a dict as in config.json).
+    quantization_config: dict[str, Any] | None = None
+    source: str = ""
+
+
+class ModelLoader(Protocol):
+    def check(self, model: str) -> list[str]:
+        """Reasons this loader cannot read `model` (empty list: it can)."""
+        ...
+
+    def load_info(self, model: str, tokenizer: str | None = None) -> LoadedModelInfo:
+        """Read the config and tokenizer. Errors name the path and what is wrong with it."""
+        ...
+
+    def iter_weights(self, model: str, info: LoadedModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) pairs in Hugging Face naming (model.layers.0.self_attn.q_proj.weight ...)."""
+        ...

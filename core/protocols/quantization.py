@@ -1,0 +1,39 @@
+"""Quantization method protocol: how a linear layer stores its weights and multiplies by them.
+
+Linear layers (pagedllm.layers.linear) never own parameters directly: they ask their method to create them,
+so an AWQ or GGUF method can register packed tensors under the checkpoint's names and a fast matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class QuantizationMethod(Protocol):
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register the layer's parameters (e.g. `weight`) with a `weight_loader` attribute on each."""
+        ...
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x @ W^T (+ bias) with the layer's stored weights."""
+        ...
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack or transpose once, after every weight of the layer is loaded."""
+        ...
+
+
+class QuantizationConfig(Protocol):
+    """A checkpoint's (or the config's) quantization choice; hands out a method per layer."""
+
+    name: str
+
+    def get_method(self, layer: torch.nn.Module, prefix: str) -> QuantizationMethod: ...

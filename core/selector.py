@@ -1,0 +1,81 @@
+"""Chooses a component per kind: capability checks, then priority. Every decision can explain itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.plugin_manager import PluginManager
+from pagedllm.plugin_spec import ComponentSpec, PluginKind
+
+
+class SelectionError(RuntimeError):
+    """No component could serve the request; the message lists every candidate's reasons."""
+
+
+@dataclass
+class Selection:
+    kind: PluginKind
+    winner: ComponentSpec
+    requested: str | None = None
+    rejected: list[tuple[ComponentSpec, list[str]]] = field(default_factory=list)
+
+    def explain(self) -> str:
+        how = "requested in config" if self.requested else "highest priority that passed its checks"
+        lines = [
+            f"{self.kind.value}: {self.winner.name} ({how}; priority {self.winner.priority}, "
+            f"from {self.winner.distribution})"
+        ]
+        for spec, reasons in self.rejected:
+            lines.append(f"  - {spec.name}: {'; '.join(reasons)}")
+        return "\n".join(lines)
+
+    def load(self) -> Any:
+        return self.winner.resolve()
+
+
+def select(
+    pm: PluginManager,
+    kind: PluginKind,
+    context: Any,
+    requested: str | None = None,
+    candidates: Iterable[ComponentSpec] | None = None,
+) -> Selection:
+    """Pick the component of `kind` for `context`.
+
+    An explicit `requested` name is validated strictly: unknown or unable → SelectionError naming why. Without
+    one, candidates are walked by priority and the first with no reasons against it wins; the rest are kept
+    with their reasons (a capable but lower-priority one is reported as such).
+    """
+    pool = list(candidates) if candidates is not None else pm.components(kind)
+    if requested is not None:
+        spec = next((c for c in pool if c.name == requested), None)
+        if spec is None:
+            broken = [r for r in pm.broken() if r.name == requested]
+            hint = f" (plugin '{requested}' from {broken[0].distribution} is broken: {broken[0].error})" if broken else ""
+            names = ", ".join(sorted(c.name for c in pool)) or "none"
+            raise SelectionError(f"no {kind.value} named '{requested}'{hint}; available: {names}")
+        reasons = spec.reasons_against(context)
+        if reasons:
+            raise SelectionError(
+                f"{kind.value} '{requested}' (from {spec.distribution}) was requested but cannot be used: "
+                + "; ".join(reasons)
+            )
+        others = [(c, ["not requested"]) for c in pool if c is not spec]
+        return Selection(kind, spec, requested, others)
+
+    rejected: list[tuple[ComponentSpec, list[str]]] = []
+    winner: ComponentSpec | None = None
+    for spec in sorted(pool, key=lambda c: -c.priority):
+        reasons = spec.reasons_against(context)
+        if reasons:
+            rejected.append((spec, reasons))
+        elif winner is None:
+            winner = spec
+        else:
+            rejected.append((spec, [f"lower priority ({spec.priority}) than {winner.name} ({winner.priority})"]))
+    if winner is None:
+        detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in rejected) or "no candidates registered"
+        raise SelectionError(f"no usable {kind.value} for {context!r}: {detail}")
+    return Selection(kind, winner, None, rejected)

@@ -1,0 +1,1 @@
+"""pagedllm's in-tree plugins. Each is found through the entry points in pyproject.toml, like any other."""

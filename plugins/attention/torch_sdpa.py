@@ -1,0 +1,25 @@
+"""Registers the `torch` attention backend: the pure-PyTorch reference (CPU and GPU), the oracle for others."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm import hookimpl
+
+
+def _load() -> Any:
+    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+
+    return TorchSDPABackend
+
+
+def _check(ctx: Any) -> list[str]:
+    if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
+        return [f"kv cache dtype {ctx.kv_cache_dtype} not supported (only the model dtype)"]
+    return []
+
+
+@hookimpl
+def register_attention_backends(register: Any) -> None:
+    # Lowest priority: always works, never the fastest where a kernel backend is available.
+    register("torch", _load, priority=0, check=_check, description="reference paged attention in PyTorch")

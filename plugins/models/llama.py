@@ -1,0 +1,19 @@
+"""Registers the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm import hookimpl
+
+
+def _load() -> Any:
+    from pagedllm.plugins.models.llama_model import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+@hookimpl
+def register_models(register: Any) -> None:
+    register("LlamaForCausalLM", _load, description="Llama 2/3, SmolLM2")
+    register("MistralForCausalLM", _load, description="Mistral (full attention)")

@@ -1,0 +1,18 @@
+"""Registers the unquantized method: plain dense weights in the model dtype (the default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm import hookimpl
+
+
+def _load() -> Any:
+    from pagedllm.layers.unquantized import UnquantizedConfig
+
+    return UnquantizedConfig
+
+
+@hookimpl
+def register_quantization_methods(register: Any) -> None:
+    register("none", _load, description="dense weights in the model dtype")
