@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +34,11 @@ class ModelLoader(Protocol):
         """Read the config and tokenizer. Errors name the path and what is wrong with it."""
         ...
 
-    def iter_weights(self, model: str, info: LoadedModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) pairs in Hugging Face naming (model.layers.0.self_attn.q_proj.weight ...)."""
+    def load_weights(self, module: torch.nn.Module, model: str, info: LoadedModelInfo) -> None:
+        """Fill the built model's parameters.
+
+        File-backed loaders stream (name, tensor) pairs in Hugging Face naming
+        (model.layers.0.self_attn.q_proj.weight ...) into `module.load_weights(...)` and raise, naming the
+        path, when a weight is missing or malformed; `dummy` fills parameters with small random values.
+        """
         ...
