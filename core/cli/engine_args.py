@@ -1,0 +1,61 @@
+"""Command-line flags shared by every subcommand that builds an engine; they override the config file."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import yaml
+
+from pagedllm.config import EngineConfig
+
+# flag -> dotted config key
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--model": ("model", str, "model folder, .gguf file or alias (default: embedded SmolLM2)"),
+    "--tokenizer": ("tokenizer", str, "tokenizer folder, if not the model's"),
+    "--dtype": ("dtype", str, "auto, float32, float16, bfloat16"),
+    "--device": ("device", str, "auto, cpu, cuda"),
+    "--seed": ("seed", int, "engine seed"),
+    "--max-model-len": ("max_model_len", int, "context length cap"),
+    "--num-threads": ("num_threads", int, "torch CPU threads"),
+    "--attention-backend": ("attention.backend", str, "attention plugin name"),
+    "--block-size": ("kv_cache.block_size", int, "tokens per KV block"),
+    "--num-kv-blocks": ("kv_cache.num_blocks", int, "force the number of KV blocks"),
+    "--kv-cache-memory-gb": ("kv_cache.memory_gb", float, "KV-cache budget on CPU (GiB)"),
+    "--gpu-memory-utilization": ("kv_cache.gpu_memory_utilization", float, "fraction of GPU memory"),
+    "--scheduler": ("scheduler.name", str, "scheduler plugin name"),
+    "--max-num-seqs": ("scheduler.max_num_seqs", int, "most requests per step"),
+    "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget per step"),
+    "--load-format": ("loader.name", str, "loader plugin name (hf, gguf, dummy)"),
+    "--quantization": ("quantization.method", str, "force a quantization method"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (override the config file)")
+    group.add_argument("--config", help="engine config file (YAML or TOML)")
+    for flag, (_key, typ, help_text) in _FLAGS.items():
+        group.add_argument(flag, type=typ, default=None, help=help_text)
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    group.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="any config key, dotted (e.g. --set scheduler.enable_chunked_prefill=false); repeatable",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    overrides: dict[str, Any] = {}
+    for flag, (key, _typ, _help) in _FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[key] = value
+    if args.no_prefix_caching:
+        overrides["kv_cache.enable_prefix_caching"] = False
+    for item in args.set:
+        if "=" not in item:
+            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        overrides[key.strip()] = yaml.safe_load(raw)  # YAML scalars: 8 -> int, false -> bool
+    if args.config:
+        return EngineConfig.from_file(args.config, overrides)
+    return EngineConfig.from_dict({}, overrides)

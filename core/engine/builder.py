@@ -1,0 +1,220 @@
+"""Assembles an engine from an EngineConfig: every component chosen through the plugin selector.
+
+Order: model reference → loader → config/tokenizer → architecture → attention backend → quantization →
+model built and loaded → KV specs → KV manager per group → cache sized and allocated → scheduler → runner.
+Each choice is kept as a `Selection`, so `pagedllm config show` can say what was picked and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.default_model import resolve_model_reference
+from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCacheManager
+from pagedllm.kv_cache.spec import KVCacheSpec
+from pagedllm.plugin_manager import PluginManager, get_plugin_manager
+from pagedllm.plugin_spec import ComponentSpec, PluginKind
+from pagedllm.protocols.loader import LoadedModelInfo
+from pagedllm.protocols.model import ModelBuildContext
+from pagedllm.sched.base import SchedulerContext
+from pagedllm.selection_context import AttentionSelectionContext
+from pagedllm.selector import Selection, SelectionError, select
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model_ref: str
+    info: LoadedModelInfo
+    model: Any
+    runner: ModelRunner
+    scheduler: Any
+    kv_cache_manager: KVCacheManager
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    selections: dict[str, Selection] = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+    def describe(self) -> str:
+        lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
+        lines += [sel.explain() for sel in self.selections.values()]
+        lines.append(
+            f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_blocks * self.block_size} token slots; max_model_len {self.max_model_len}"
+        )
+        return "\n".join(lines)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and lossy; float32 is the CPU norm
+    cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return cfg_dtype if cfg_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def select_loader(pm: PluginManager, config: EngineConfig, model_ref: str) -> Selection:
+    return select(pm, PluginKind.LOADER, model_ref, requested=config.loader.name)
+
+
+def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> EngineParts:
+    t0 = time.perf_counter()
+    pm = pm or get_plugin_manager()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    model_ref = resolve_model_reference(config.model)
+    selections: dict[str, Selection] = {}
+
+    sel = selections["loader"] = select_loader(pm, config, model_ref)
+    loader = sel.load()()
+    info: LoadedModelInfo = loader.load_info(model_ref, config.tokenizer)
+    hf_config = info.hf_config
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    selections["model"] = _select_architecture(pm, archs)
+    model_cls = selections["model"].load()
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    block_size = config.kv_cache.block_size
+    attn_ctx = AttentionSelectionContext(
+        device_type=device.type,
+        compute_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=config.kv_cache.cache_dtype,
+        head_size=head_size,
+        block_size=block_size,
+        sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False)),
+        logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
+    )
+    selections["attention"] = select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
+    backend = selections["attention"].load()
+
+    quant_name = config.quantization.method or (info.quantization_config or {}).get("quant_method") or "none"
+    selections["quantization"] = select(pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name)
+    quant_cls = selections["quantization"].load()
+    quant_config = None if quant_name == "none" else quant_cls.from_config(info.quantization_config or {})
+
+    ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size)
+    model = _build_model(model_cls, ctx)
+    loader.load_weights(model, model_ref, info)
+    model.eval()
+
+    specs: list[KVCacheSpec] = model.kv_cache_specs()
+    groups = _group_specs(specs)
+    factories = []
+    for i, group in enumerate(groups):
+        key = f"kv_manager[{i}]" if len(groups) > 1 else "kv_manager"
+        selections[key] = _select_kv_manager(pm, group.spec)
+        factories.append(selections[key].load())
+
+    num_blocks = _num_blocks(config, specs, device)
+    model_max = config.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 2048
+    # A request alone must always fit in the cache, or it could wait forever.
+    max_model_len = min(model_max, (num_blocks - 1) * block_size)
+    if config.max_model_len and config.max_model_len > max_model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} needs {config.max_model_len // block_size + 1} KV blocks "
+            f"but the cache has {num_blocks}; raise kv_cache.memory_gb / num_blocks or lower max_model_len"
+        )
+    kv_caches = [
+        torch.zeros(backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size), dtype=s.dtype, device=device)  # type: ignore[attr-defined]
+        for s in specs
+    ]
+    kv_manager = KVCacheManager(
+        KVCacheConfig(num_blocks, groups),
+        factories,
+        enable_caching=config.kv_cache.enable_prefix_caching,
+        max_model_len=max_model_len,
+    )
+    selections["scheduler"] = select(pm, PluginKind.SCHEDULER, config.scheduler, requested=config.scheduler.name)
+    scheduler_cls = selections["scheduler"].load()
+    scheduler = scheduler_cls(
+        SchedulerContext(
+            config.scheduler, kv_manager, max_model_len, block_size, config.plugins.get(config.scheduler.name, {})
+        )
+    )
+    vocab_size = hf_config.vocab_size
+    runner = ModelRunner(model, backend, kv_caches, block_size, device, vocab_size)
+    parts = EngineParts(
+        config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
+        device, dtype, selections, time.perf_counter() - t0,
+    )
+    logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
+    return parts
+
+
+def _select_architecture(pm: PluginManager, archs: list[str]) -> Selection:
+    if not archs:
+        raise SelectionError("the model config names no `architectures`; cannot choose a model class")
+    errors = []
+    for arch in archs:
+        try:
+            return select(pm, PluginKind.MODEL, None, requested=arch)
+        except SelectionError as exc:
+            errors.append(str(exc))
+    raise SelectionError("; ".join(errors))
+
+
+def _select_kv_manager(pm: PluginManager, spec: KVCacheSpec) -> Selection:
+    # Registries keyed by type: the most specific registered spec class wins (walk the MRO).
+    candidates = pm.components(PluginKind.KV_MANAGER)
+    for cls in type(spec).__mro__:
+        matching: list[ComponentSpec] = [c for c in candidates if c.meta.get("spec_type") is cls]
+        if matching:
+            return select(pm, PluginKind.KV_MANAGER, spec, candidates=matching)
+    raise SelectionError(f"no kv_manager plugin handles {type(spec).__name__}")
+
+
+def _group_specs(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
+    groups: dict[KVCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(i)
+    return [KVCacheGroup(spec, layers) for spec, layers in groups.items()]
+
+
+def _num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.device) -> int:
+    if config.kv_cache.num_blocks:
+        return config.kv_cache.num_blocks
+    bytes_per_block = sum(s.page_size_bytes for s in specs)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = free * config.kv_cache.gpu_memory_utilization
+    else:
+        budget = config.kv_cache.memory_gb * (1 << 30)
+    return max(2, int(budget // bytes_per_block))
+
+
+def _build_model(model_cls: Any, ctx: ModelBuildContext) -> Any:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(ctx.dtype)
+    try:
+        with ctx.device:
+            return model_cls(ctx)
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,107 @@
+"""LLM: the offline entry point, shaped like vLLM's (`LLM(model).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching.
+
+    `LLM()` serves the embedded default model; `LLM("path/to/model")`, `LLM(config="engine.yaml")` and
+    vLLM-style keyword overrides (`max_num_seqs=8`, `block_size=16`, `enable_prefix_caching=False`, ...).
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_kwargs(model, config=config, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt the engine cannot run (e.g. longer than the context) yields an output with
+        finish_reason "error" and `error` set; the others still complete.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompt_list)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        order: dict[str, int] = {}
+        for prompt, params in zip(prompt_list, params_list):
+            rid = str(next(self._ids))
+            order[rid] = len(order)
+            self.engine.add_request(rid, prompt, params)
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(results) < len(order) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [rid for rid in order if rid not in results]
+        if missing:  # never drop a request silently
+            raise RuntimeError(f"engine stopped with requests unfinished: {missing}")
+        return [results[rid] for rid in sorted(results, key=order.__getitem__)]
+
+    @staticmethod
+    def texts(outputs: list[RequestOutput]) -> list[str]:
+        return [o.outputs[0].text for o in outputs]
+
+

@@ -1,0 +1,146 @@
+"""LLMEngine: the synchronous frontend — tokenize, hand requests to the core, turn outputs into text.
+
+Shaped like vLLM's: add_request / step / abort_request / has_unfinished_requests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import EngineConfig, flat_overrides
+from pagedllm.engine.builder import EngineParts, build_engine
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.outputs import RequestOutput
+from pagedllm.plugin_manager import PluginManager, get_plugin_manager
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.stats import SchedulerStats
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None) -> None:
+        self.config = config
+        self.pm = plugin_manager or get_plugin_manager()
+        self.parts: EngineParts = build_engine(config, self.pm)
+        self.core = EngineCore(self.parts)
+        self.tokenizer = self.parts.info.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self._closed = False
+        self.pm.hook.engine_started(engine=self)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, config: EngineConfig | str | None = None, **kwargs: Any) -> LLMEngine:
+        """Build from a config object or file, with vLLM-style flat keyword overrides on top."""
+        overrides = flat_overrides(**kwargs)
+        if model is not None:
+            overrides["model"] = model
+        if isinstance(config, EngineConfig):
+            cfg = EngineConfig.from_dict(config.model_dump(), overrides)
+        elif config is not None:
+            cfg = EngineConfig.from_file(config, overrides)
+        else:
+            cfg = EngineConfig.from_dict({}, overrides)
+        return cls(cfg)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.parts.max_model_len
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.parts.info.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use str, list[int] or a dict")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Malformed prompts raise ValueError; ones the core can never run (too long for the
+        context) are accepted and then finish with finish_reason "error" and a message, alone."""
+        if request_id in self.processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = (params or SamplingParams()).clone()
+        prompt_text, prompt_ids = self.tokenize(prompt)
+        if params.max_tokens is None:
+            params.max_tokens = max(1, self.max_model_len - len(prompt_ids))
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        params._all_stop_token_ids = stop_ids
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        samples = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone()
+            if params.n > 1:
+                # Children share the prompt's KV blocks through the prefix cache; each needs its own stream.
+                child.n = 1
+                if params.seed is not None:
+                    child.seed = params.seed + i
+            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            samples.append((core_id, child))
+        self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
+        for core_id, child in samples:
+            self.core.add_request(
+                Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
+                        eos_token_id=next(iter(self.eos_token_ids), None))
+            )
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        for out in outputs:
+            if out.finished:
+                self.pm.hook.request_finished(output=out)
+        return outputs
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            core_ids = self.processor.core_ids(rid)
+            self.core.abort_requests(core_ids)
+            out = self.processor.abort(rid)
+            if out is not None:
+                self.pm.hook.request_finished(output=out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.processor.has_unfinished() or self.core.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.core.get_stats()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.parts.kv_cache_manager.usage
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pm.hook.engine_stopped(engine=self)

@@ -1,0 +1,170 @@
+"""OutputProcessor: engine-core token ids → RequestOutputs (text, logprobs, stop strings, n > 1, timing).
+
+Lives on the frontend side, so detokenization never slows the engine loop. A stop string found here ends
+the request: the processor reports which requests the engine core must abort.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.messages import EngineCoreOutput, LogprobsEntry
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sample:
+    """One sequence (one of a request's n samples)."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, _Sample]  # engine-core id -> sample
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self._core_to_request: dict[str, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        samples: list[tuple[str, SamplingParams]],  # (engine-core id, params) per sample
+        arrival_time: float,
+    ) -> None:
+        state = _RequestState(request_id, prompt, prompt_token_ids, {}, RequestMetrics(arrival_time))
+        for index, (core_id, params) in enumerate(samples):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            sample = _Sample(index, params, detok)
+            if params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            state.samples[core_id] = sample
+            self._core_to_request[core_id] = request_id
+        self.requests[request_id] = state
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def core_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return list(state.samples) if state else []
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns (RequestOutputs of requests that changed, core ids to abort)."""
+        now = time.monotonic()
+        changed: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            rid = self._core_to_request.get(out.request_id)
+            if rid is None:
+                continue
+            state = self.requests[rid]
+            sample = state.samples[out.request_id]
+            if sample.finish_reason is not None:
+                continue
+            if out.error:
+                state.error = out.error
+            if out.new_token_ids:
+                m = state.metrics
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                m.token_times.append(now)
+                state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            sample.token_ids.extend(out.new_token_ids)
+            self._add_logprobs(sample, out.new_logprobs)
+            stop_str = sample.detokenizer.update(out.new_token_ids)
+            if stop_str is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop_str
+                if not out.finished:
+                    to_abort.append(out.request_id)
+            elif out.finished:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            changed[rid] = state
+        results = []
+        for rid, state in changed.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[rid]
+                for core_id in state.samples:
+                    self._core_to_request.pop(core_id, None)
+            results.append(self._make_output(state))
+        return results, to_abort
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as aborted (the caller aborts its core ids); returns its final output."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for core_id, sample in state.samples.items():
+            self._core_to_request.pop(core_id, None)
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return self._make_output(state)
+
+    def _add_logprobs(self, sample: _Sample, entries: list[LogprobsEntry]) -> None:
+        if sample.logprobs is None:
+            return
+        for entry in entries:
+            position: dict[int, Logprob] = {}
+            for tid, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+                if tid not in position:
+                    position[tid] = Logprob(lp, rank, self._decode_one(tid))
+            sample.logprobs.append(position)
+            assert sample.cumulative_logprob is not None
+            sample.cumulative_logprob += entry.logprobs[0]
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.output_text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(state.samples.values(), key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+            error=state.error,
+        )

@@ -1,0 +1,67 @@
+"""FCFS continuous batching with chunked prefill and preemption by recompute (vLLM V1's default policy).
+
+One token budget per step is shared by everything: a decoding request costs 1, a prefill costs its prompt
+(or the chunk of it that still fits). RUNNING requests go first, in admission order; WAITING requests are
+admitted while budget, `max_num_seqs` and KV blocks last. When a running request cannot get a block, the
+most recently admitted running request is preempted (its blocks freed, recomputed later) until it can.
+"""
+
+from __future__ import annotations
+
+from pagedllm.engine.messages import SchedulerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.base import SchedulerBase
+
+
+class FCFSScheduler(SchedulerBase):
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted_now = False
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1  # NOTE: only possible for a request whose sample is still pending; skip it
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                # NOTE(1): out of blocks. Evict from the tail (latest admitted): it has done the least work.
+                victim = self.running.pop()
+                self.preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+            else:
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing behind it is left to schedule
+
+        # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck; admitting
+        #    more would just preempt again).
+        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, num_computed, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            self._admit(req, num_computed)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        return self.make_output(num_scheduled)
+
+    def _admit(self, req: Request, num_computed: int) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_computed
+        self.running.append(req)

@@ -1,0 +1,78 @@
+"""An engine assembled from a YAML file: named plugins are used, bad keys and bad models fail clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ConfigError
+from pagedllm.selector import SelectionError
+from tiny_models import make_tiny_model
+
+
+def test_yaml_assembles_engine_with_named_plugins(tiny_root: Path, tmp_path: Path) -> None:
+    model_dir = make_tiny_model("qwen2", tiny_root)
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(
+        f"""
+model: {model_dir}
+attention: {{backend: torch}}
+loader: {{name: hf}}
+scheduler: {{name: fcfs, max_num_seqs: 4, max_num_batched_tokens: 16}}
+kv_cache: {{block_size: 8, num_blocks: 64, enable_prefix_caching: true}}
+"""
+    )
+    llm = LLM(config=str(cfg))
+    parts = llm.engine.parts
+    assert parts.selections["attention"].winner.name == "torch"
+    assert parts.selections["attention"].requested == "torch"
+    assert parts.selections["loader"].winner.name == "hf"
+    assert parts.selections["scheduler"].winner.name == "fcfs"
+    assert parts.selections["model"].winner.name == "Qwen2ForCausalLM"
+    assert parts.selections["kv_manager"].winner.name == "full_attention"
+    assert parts.num_blocks == 64 and parts.block_size == 8
+    assert llm.engine.config.scheduler.max_num_seqs == 4
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert "attention_backend: torch (requested in config" in parts.describe()
+
+
+def test_yaml_bad_key_names_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("scheduler:\n  max_num_seq: 4\n")
+    with pytest.raises(ConfigError, match=r"scheduler\.max_num_seq: unknown key"):
+        LLM(config=str(cfg))
+
+
+def test_unknown_plugin_name_is_explained(tiny_root: Path) -> None:
+    model_dir = make_tiny_model("llama", tiny_root)
+    with pytest.raises(SelectionError, match="no attention_backend named 'flashy'.*available: .*torch"):
+        LLM(model_dir, attention_backend="flashy")
+
+
+def test_missing_model_path_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(Exception, match=str(missing)):
+        LLM(str(missing))
+
+
+def test_corrupt_gguf_names_path_and_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"NOTAGGUF" + b"\0" * 64)
+    with pytest.raises(Exception, match="broken.gguf") as info:
+        LLM(str(bad))
+    assert "magic" in str(info.value).lower() or "gguf" in str(info.value).lower()
+
+
+def test_corrupt_safetensors_names_path(tiny_root: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = Path(make_tiny_model("llama", tiny_root))
+    dst = tmp_path / "corrupt"
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(Exception, match="model.safetensors"):
+        LLM(str(dst))
