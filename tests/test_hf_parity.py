@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tiny_models import TINY_ARCHS, hf_greedy, make_tiny_model
+from tiny_models import TINY_ARCHS, hf_greedy, hf_greedy_with, make_tiny_model
 
 NEW_TOKENS = 32
 TOP_N = 5
@@ -54,15 +54,8 @@ def test_default_gguf_matches_transformers(default_gguf: str, record_property) -
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     prompts = [tok(t).input_ids for t in texts]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(
-                torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id or 0,
-            )
-            expected.append((out.sequences[0, len(p):].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0], -1)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    expected = [hf_greedy_with(hf, p, NEW_TOKENS) for p in prompts]
     del hf
 
     llm = LLM(default_gguf, max_num_batched_tokens=64)

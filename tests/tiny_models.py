@@ -48,7 +48,7 @@ def make_tiny_model(kind: str, root: Path, seed: int = 0) -> str:
         return str(path)
     torch.manual_seed(seed)
     config = tiny_config(kind)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.eos_token_id
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -56,23 +56,25 @@ def make_tiny_model(kind: str, root: Path, seed: int = 0) -> str:
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers' own greedy decode, one prompt at a time (no padding effects): (tokens, per-step logprobs)."""
+    """transformers' forward pass, greedy, one prompt at a time: (tokens, per-step logprobs)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    results = []
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [hf_greedy_with(model, p, max_new_tokens) for p in prompts]
+
+
+def hf_greedy_with(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """A plain argmax loop over full forward passes, with no logits processors and no cache API: generate()'s
+    min_new_tokens would mask EOS and change the argmax, which is not what ignore_eos means."""
+    ids = torch.tensor([prompt])
+    tokens: list[int] = []
+    logprobs = []
     with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            tokens = out.sequences[0, len(prompt):].tolist()
-            logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-            results.append((tokens, logprobs))
-    return results
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, use_cache=False)
+            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokens, torch.stack(logprobs)
