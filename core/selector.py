@@ -20,9 +20,10 @@ class Selection:
     winner: ComponentSpec
     requested: str | None = None
     rejected: list[tuple[ComponentSpec, list[str]]] = field(default_factory=list)
+    requested_by: str = "config"
 
     def explain(self) -> str:
-        how = "requested in config" if self.requested else "highest priority that passed its checks"
+        how = f"requested by {self.requested_by}" if self.requested else "highest priority that passed its checks"
         lines = [
             f"{self.kind.value}: {self.winner.name} ({how}; priority {self.winner.priority}, "
             f"from {self.winner.distribution})"
@@ -41,6 +42,7 @@ def select(
     context: Any,
     requested: str | None = None,
     candidates: Iterable[ComponentSpec] | None = None,
+    requested_by: str = "config",
 ) -> Selection:
     """Pick the component of `kind` for `context`.
 
@@ -52,10 +54,8 @@ def select(
     if requested is not None:
         spec = next((c for c in pool if c.name == requested), None)
         if spec is None:
-            broken = [r for r in pm.broken() if r.name == requested]
-            hint = f" (plugin '{requested}' from {broken[0].distribution} is broken: {broken[0].error})" if broken else ""
             names = ", ".join(sorted(c.name for c in pool)) or "none"
-            raise SelectionError(f"no {kind.value} named '{requested}'{hint}; available: {names}")
+            raise SelectionError(f"no {kind.value} named '{requested}'; available: {names}{_broken_hint(pm, kind)}")
         reasons = spec.reasons_against(context)
         if reasons:
             raise SelectionError(
@@ -63,7 +63,7 @@ def select(
                 + "; ".join(reasons)
             )
         others = [(c, ["not requested"]) for c in pool if c is not spec]
-        return Selection(kind, spec, requested, others)
+        return Selection(kind, spec, requested, others, requested_by)
 
     rejected: list[tuple[ComponentSpec, list[str]]] = []
     winner: ComponentSpec | None = None
@@ -79,3 +79,16 @@ def select(
         detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in rejected) or "no candidates registered"
         raise SelectionError(f"no usable {kind.value} for {context!r}: {detail}")
     return Selection(kind, winner, None, rejected)
+
+
+def _broken_hint(pm: PluginManager, kind: PluginKind) -> str:
+    """Broken plugins that may have provided a requested component, with their distribution and error.
+
+    A plugin that failed to import registered nothing, so its component names are unknown: every broken
+    plugin listed in this kind's entry-point group, or whose hook for this kind raised, is named.
+    """
+    broken = [r for r in pm.broken() if r.group == kind.entry_point_group or kind.hook_name in r.error]
+    return "".join(
+        f"; plugin '{r.name}' ({r.value}) from distribution {r.distribution} {r.version} is broken: {r.error}"
+        for r in broken
+    )

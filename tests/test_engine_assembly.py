@@ -36,7 +36,8 @@ kv_cache: {{block_size: 8, num_blocks: 64, enable_prefix_caching: true}}
     assert llm.engine.config.scheduler.max_num_seqs == 4
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    assert "attention_backend: torch (requested in config" in parts.describe()
+    assert "attention_backend: torch (requested by config" in parts.describe()
+    assert "Qwen2ForCausalLM (requested by the checkpoint's architectures" in parts.describe()
 
 
 def test_yaml_bad_key_names_the_key(tmp_path: Path) -> None:

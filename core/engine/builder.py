@@ -115,8 +115,12 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     selections["attention"] = select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
     backend = selections["attention"].load()
 
-    quant_name = config.quantization.method or (info.quantization_config or {}).get("quant_method") or "none"
-    selections["quantization"] = select(pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name)
+    checkpoint_quant = (info.quantization_config or {}).get("quant_method")
+    quant_name = config.quantization.method or checkpoint_quant or "none"
+    quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"
+    selections["quantization"] = select(
+        pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
+    )
     quant_cls = selections["quantization"].load()
     quant_config = None if quant_name == "none" else quant_cls.from_config(info.quantization_config or {})
 
@@ -175,7 +179,7 @@ def _select_architecture(pm: PluginManager, archs: list[str]) -> Selection:
     errors = []
     for arch in archs:
         try:
-            return select(pm, PluginKind.MODEL, None, requested=arch)
+            return select(pm, PluginKind.MODEL, None, requested=arch, requested_by="the checkpoint's architectures")
         except SelectionError as exc:
             errors.append(str(exc))
     raise SelectionError("; ".join(errors))
