@@ -1,0 +1,174 @@
+"""SamplingMetadata: one step's sampling controls for the whole batch, as tensors the Sampler can vectorise over.
+
+Each optional feature is stored as `None` (and a `no_*` flag set) when no row in the batch uses it, so a batch
+of plain requests pays for nothing but a softmax and a draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step batch tensors for the Sampler; rows follow the order of the logits.
+
+    Rows that do not use a feature hold its neutral value (top_k = vocab size, top_p = 1, min_p = 0,
+    penalties 0 / 0 / 1), so one vectorised op serves a mixed batch.
+    """
+
+    # [B] float32; greedy rows hold 1.0 so the division by temperature never meets a zero.
+    temperature: torch.Tensor
+    # [B] bool: rows that take the argmax instead of a random draw.
+    greedy_mask: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+
+    top_k: torch.Tensor | None  # [B] int64, None when no_top_k
+    top_p: torch.Tensor | None  # [B] float32, None when no_top_p
+    min_p: torch.Tensor | None  # [B] float32, None when no_min_p
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+
+    # [B] float32 each, None when no_penalties.
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    # [B, L] int64, padded with vocab_size (an id one past the vocabulary, dropped after scattering).
+    # Only rows with a penalty carry ids; the others are all padding.
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: torch.Tensor | None
+    no_penalties: bool
+
+    # Row index -> that request's own generator (seeded requests only); other rows share the default one.
+    generators: dict[int, torch.Generator]
+    # Largest `logprobs` asked for in the batch; None when no row wants logprobs.
+    max_num_logprobs: int | None
+
+    # (rows, token ids) whose logits are forced to -inf because the request has not reached min_tokens;
+    # None when no row is below its min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+
+    vocab_size: int
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows (requests) in this step."""
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Gather the batch's per-request params into tensors on `device`.
+
+        :param params: one SamplingParams per row, in logits order.
+        :param generators: one per row; a request with a seed passes its own generator (kept across steps,
+            on `device`), others pass None.
+        :param prompt_token_ids: the prompt of each row (only read for rows with a repetition penalty).
+        :param output_token_ids: tokens generated so far for each row (penalties and min_tokens).
+        :param vocab_size: the width of the logits (ids >= it are ignored).
+        """
+        n = len(params)
+        assert len(generators) == n and len(prompt_token_ids) == n and len(output_token_ids) == n
+
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+
+        # NOTE(1): greedy rows never reach the random path's filters, so they do not switch those on.
+        def uses(pred: list[bool]) -> bool:
+            return any(u and not g for u, g in zip(pred, greedy, strict=True))
+
+        ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        no_top_k = not uses([k < vocab_size for k in ks])
+        no_top_p = not uses([p.top_p < 1.0 for p in params])
+        no_min_p = not uses([p.min_p > 0.0 for p in params])
+
+        has_penalty = [
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        ]
+        no_penalties = not any(has_penalty)
+        presence = frequency = repetition = prompt_ids = output_ids = None
+        if not no_penalties:
+            presence = f32([p.presence_penalty for p in params])
+            frequency = f32([p.frequency_penalty for p in params])
+            repetition = f32([p.repetition_penalty for p in params])
+            # NOTE(2): the prompt matters only to the repetition penalty; rows without one send no ids.
+            prompt_ids = _pad(
+                [
+                    ids if h and p.repetition_penalty != 1.0 else []
+                    for ids, h, p in zip(prompt_token_ids, has_penalty, params, strict=True)
+                ],
+                vocab_size,
+                device,
+            )
+            output_ids = _pad(
+                [ids if h else [] for ids, h in zip(output_token_ids, has_penalty, strict=True)],
+                vocab_size,
+                device,
+            )
+
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
+            if len(out) < p.min_tokens:
+                stops = sorted(t for t in p.all_stop_token_ids if 0 <= t < vocab_size)
+                rows.extend([i] * len(stops))
+                cols.extend(stops)
+        min_tokens_mask = None
+        if rows:
+            min_tokens_mask = (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(cols, dtype=torch.int64, device=device),
+            )
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            greedy_mask=greedy_mask,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=None if no_top_k else torch.tensor(ks, dtype=torch.int64, device=device),
+            top_p=None if no_top_p else f32([p.top_p for p in params]),
+            min_p=None if no_min_p else f32([p.min_p for p in params]),
+            no_top_k=no_top_k,
+            no_top_p=no_top_p,
+            no_min_p=no_min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            no_penalties=no_penalties,
+            # Greedy rows draw nothing, so their generators are left untouched.
+            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            max_num_logprobs=max(wanted) if wanted else None,
+            min_tokens_mask=min_tokens_mask,
+            vocab_size=vocab_size,
+        )
+
+
+def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Right-pad ragged id lists into one [B, max_len] int64 tensor (at least one column)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    padded = [r + [pad_id] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
