@@ -51,7 +51,7 @@ class Request:
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
-    # Extra keys mixed into every block hash (e.g. a cache salt): requests with different keys never share.
+    # Mixed into the first block's hash (chaining carries it into every later one): different salts never share.
     cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
