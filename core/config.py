@@ -84,7 +84,7 @@ class EngineConfig(_Section):
         try:
             return cls.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(_explain(exc, source)) from None
+            raise ConfigError(_explain(exc, source, set(overrides or ()))) from None
 
 
 class ConfigError(ValueError):
@@ -112,14 +112,16 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _explain(exc: ValidationError, source: str) -> str:
+def _explain(exc: ValidationError, source: str, overridden: set[str]) -> str:
     lines = [f"invalid {source}:"]
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        # Say when the bad value came from an override, not the file: the user would search the file in vain.
+        origin = " [from an override]" if any(key == o or key.startswith(o + ".") for o in overridden) else ""
         if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
+            lines.append(f"  {key}: unknown key{origin}")
         else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r}){origin}")
     return "\n".join(lines)
 
 

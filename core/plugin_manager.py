@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from pagedllm.plugin_spec import ComponentSpec, PluginKind, PluginLoadError
 
 ALLOWLIST_ENV = "PAGEDLLM_PLUGINS"
 OWN_DISTRIBUTION = "pagedllm"
+DIRECT = "<direct>"  # the `group` of plugins registered with PluginManager.register()
 
 
 @dataclass
@@ -42,11 +44,13 @@ class PluginManager:
     def __init__(self) -> None:
         self._pm = pluggy.PluginManager("pagedllm")
         self._pm.add_hookspecs(hookspecs)
-        self._lock = threading.Lock()
+        # Re-entrant: a plugin that asks for the manager while being imported gets the partial state, not a hang.
+        self._lock = threading.RLock()
         self._discovered = False
         self.records: list[PluginRecord] = []
         self._components: dict[PluginKind, dict[str, ComponentSpec]] = {k: {} for k in PluginKind}
         self._plugin_dist: dict[str, tuple[str, str]] = {}
+        self._alias: dict[str, str] = {}  # plugin name of a module's second entry point -> its registered name
 
     @property
     def hook(self) -> Any:
@@ -63,7 +67,10 @@ class PluginManager:
             find = entry_points or _entry_points
             allowed = _allowlist()
             for kind in PluginKind:
-                for ep in find(kind.entry_point_group):
+                # NOTE: pagedllm's own plugins register first, whatever the sys.path order, so a third-party
+                # component reusing an in-tree name is the duplicate (it must pass override=True to replace).
+                eps = sorted(find(kind.entry_point_group), key=lambda ep: _dist_of(ep)[0] != OWN_DISTRIBUTION)
+                for ep in eps:
                     self._load_entry_point(kind, ep, allowed)
             self._pm.check_pending()
             self._collect()
@@ -75,13 +82,15 @@ class PluginManager:
             self._pm.register(plugin, name=name)
             self._pm.check_pending()
             self._plugin_dist[name] = (distribution or "<in-process>", version)
-            self.records.append(PluginRecord(name, "<direct>", repr(plugin), distribution, version, "loaded"))
+            self.records.append(
+                PluginRecord(name, DIRECT, repr(plugin), distribution or "<in-process>", version, "loaded")
+            )
             self._collect()
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self._pm.unregister(name=name)
-            self.records = [r for r in self.records if not (r.group == "<direct>" and r.name == name)]
+            self.records = [r for r in self.records if not (r.group == DIRECT and r.name == name)]
             self._collect()
 
     def components(self, kind: PluginKind) -> list[ComponentSpec]:
@@ -100,10 +109,14 @@ class PluginManager:
 
     def _load_entry_point(self, kind: PluginKind, ep: Any, allowed: set[str] | None) -> None:
         dist_name, version = _dist_of(ep)
-        plugin_name = f"{ep.group}:{ep.name}"
         record = PluginRecord(ep.name, ep.group, ep.value, dist_name, version, "loaded")
+        plugin_name = _plugin_name(record)
         self.records.append(record)
-        if allowed is not None and dist_name != OWN_DISTRIBUTION and not ({ep.name, dist_name} & allowed):
+        if (
+            allowed is not None
+            and dist_name != OWN_DISTRIBUTION
+            and not ({ep.name, _normalize(dist_name)} & allowed)
+        ):
             record.status = "blocked"
             record.error = f"not in {ALLOWLIST_ENV}"
             return
@@ -111,7 +124,12 @@ class PluginManager:
             return
         try:
             module = ep.load()
-            self._pm.register(module, name=plugin_name)
+            # One module may be listed under several groups (a package offering a scheduler and an attention
+            # backend); pluggy takes each object once, and its hooks already cover every kind.
+            if self._pm.is_registered(module):
+                self._alias[plugin_name] = self._pm.get_name(module) or plugin_name
+            else:
+                self._pm.register(module, name=plugin_name)
         except Exception as exc:
             record.status = "broken"
             record.error = f"{type(exc).__name__}: {exc}"
@@ -125,7 +143,22 @@ class PluginManager:
         self._plugin_dist[plugin_name] = (dist_name, version)
 
     def _collect(self) -> None:
-        """Ask every plugin to register its components, attributing each registration to its plugin."""
+        """Ask every plugin to register its components, attributing each registration to its plugin.
+
+        A plugin whose registration hook raises is marked broken and unregistered, and collection starts over
+        without it: nothing it registered before failing stays selectable, and a later plugin reusing one of
+        its names is not mistaken for a duplicate.
+        """
+        while True:
+            components, failure = self._collect_once()
+            if failure is None:
+                self._components = components
+                return
+            plugin_name, error = failure
+            self._pm.unregister(name=plugin_name)
+            self._mark_broken(plugin_name, error)
+
+    def _collect_once(self) -> tuple[dict[PluginKind, dict[str, ComponentSpec]], tuple[str, str] | None]:
         components: dict[PluginKind, dict[str, ComponentSpec]] = {k: {} for k in PluginKind}
         for kind in PluginKind:
             hook = getattr(self._pm.hook, kind.hook_name)
@@ -136,12 +169,13 @@ class PluginManager:
                 try:
                     impl.function(register=register)
                 except Exception as exc:
-                    self._mark_broken(impl.plugin_name, f"{kind.hook_name} raised {type(exc).__name__}: {exc}")
-        self._components = components
+                    return components, (impl.plugin_name, f"{kind.hook_name} raised {type(exc).__name__}: {exc}")
+        return components, None
 
     def _mark_broken(self, plugin_name: str, error: str) -> None:
         for record in self.records:
-            if f"{record.group}:{record.name}" == plugin_name or record.name == plugin_name:
+            name = _plugin_name(record)
+            if plugin_name in (name, self._alias.get(name)):
                 record.status = "broken"
                 record.error = error
         warnings.warn(f"pagedllm plugin '{plugin_name}' is broken and skipped: {error}", RuntimeWarning, stacklevel=3)
@@ -198,11 +232,23 @@ def _dist_of(ep: Any) -> tuple[str, str]:
     return dist.metadata["Name"] or "?", dist.version or ""
 
 
+def _plugin_name(record: PluginRecord) -> str:
+    """The name a record's plugin is registered under in pluggy."""
+    return record.name if record.group == DIRECT else f"{record.group}:{record.name}"
+
+
+def _normalize(name: str) -> str:
+    """PEP 503 name normalization: `Pagedllm_Foo.bar` and `pagedllm-foo-bar` are one distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allowlist() -> set[str] | None:
+    """Entry-point names and (normalized) distribution names allowed; None when the variable is unset."""
     raw = os.environ.get(ALLOWLIST_ENV)
     if raw is None:
         return None
-    return {item.strip() for item in raw.split(",") if item.strip()}
+    items = {item.strip() for item in raw.split(",") if item.strip()}
+    return items | {_normalize(item) for item in items}
 
 
 _default: PluginManager | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class PluginKind(str, enum.Enum):
+class PluginKind(enum.StrEnum):
     ATTENTION = "attention_backend"
     KV_MANAGER = "kv_manager"
     SCHEDULER = "scheduler"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +32,40 @@ def default_gguf() -> str:
         return default_model_path()
     except Exception as exc:  # the message says how to install it
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
+    """Lay out an installed distribution as pip would (modules + `.dist-info` with `entry_points.txt`) in a
+    fresh folder at the front of sys.path, so `importlib.metadata` finds it exactly as it finds real plugins.
+
+        fake_distribution("pagedllm-x", {"pagedllm.schedulers": {"x": "x_mod"}}, {"x_mod.py": source})
+
+    The folder leaves sys.path, and its modules leave sys.modules, when the test ends.
+    """
+    sites: list[Path] = []
+
+    def make(
+        name: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str], version: str = "1.0"
+    ) -> Path:
+        site = tmp_path / f"site{len(sites)}"  # one folder each: importlib.metadata caches a folder's listing
+        for rel, source in modules.items():
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            (site / rel).write_text(textwrap.dedent(source))
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(
+            "".join(
+                f"[{group}]\n" + "".join(f"{ep} = {value}\n" for ep, value in eps.items()) + "\n"
+                for group, eps in entry_points.items()
+            )
+        )
+        sites.append(site)
+        monkeypatch.syspath_prepend(str(site))
+        return site
+
+    yield make
+    for mod_name, module in list(sys.modules.items()):
+        if any(str(getattr(module, "__file__", None) or "").startswith(str(s)) for s in sites):
+            del sys.modules[mod_name]

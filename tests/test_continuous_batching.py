@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

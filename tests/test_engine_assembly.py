@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError
 from pagedllm.selector import SelectionError
-from tiny_models import make_tiny_model
 
 
 def test_yaml_assembles_engine_with_named_plugins(tiny_root: Path, tmp_path: Path) -> None:

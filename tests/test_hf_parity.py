@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import TINY_ARCHS, hf_greedy, hf_greedy_with, make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from tiny_models import TINY_ARCHS, hf_greedy, hf_greedy_with, make_tiny_model
 
 NEW_TOKENS = 32
 TOP_N = 5

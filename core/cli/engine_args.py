@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import ConfigError, EngineConfig
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -53,7 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         overrides["kv_cache.enable_prefix_caching"] = False
     for item in args.set:
         if "=" not in item:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         key, raw = item.split("=", 1)
         overrides[key.strip()] = yaml.safe_load(raw)  # YAML scalars: 8 -> int, false -> bool
     if args.config:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from pagedllm.cli.engine_args import add_engine_args, engine_config_from_args

@@ -17,18 +17,57 @@ def add_parser(sub: Any) -> None:
 
 
 def _attention_context() -> Any:
-    """The machine's facts for the availability column, without importing torch when it is absent."""
-    import importlib.util
-
+    """The machine's facts for the availability column, without importing torch (seconds of start-up)."""
     from pagedllm.selection_context import AttentionSelectionContext
 
-    device, cc = "cpu", None
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            device, cc = "cuda", torch.cuda.get_device_capability()
+    cc = _cuda_capability()
+    device = "cuda" if cc is not None else "cpu"
     return AttentionSelectionContext(device, cc, "float32" if device == "cpu" else "bfloat16", "auto", 64, 16)
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    """GPU 0's compute capability if torch can use CUDA here, else None; asks the driver, not torch."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:  # already paid for: ask it directly
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    if not _torch_built_with_cuda():
+        return None
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count, device, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
+        return None
+    if cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76 (cuda.h)
+    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device) != 0:
+        return None
+    if cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device) != 0:
+        return None
+    return major.value, minor.value
+
+
+def _torch_built_with_cuda() -> bool:
+    """Read torch/version.py's `cuda = ...` line as text: a CPU-only build says None (no torch import)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return True  # unknown build: let the driver decide
+    match = re.search(r"^cuda\b[^=]*=\s*(.+)$", text, re.MULTILINE)
+    return match is None or match.group(1).strip() != "None"
 
 
 def collect() -> dict[str, Any]:

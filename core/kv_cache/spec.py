@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # registration modules import this; `pagedllm plugins` must not pull in torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,4 +45,4 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
