@@ -68,6 +68,9 @@ def select(
     rejected: list[tuple[ComponentSpec, list[str]]] = []
     winner: ComponentSpec | None = None
     for spec in sorted(pool, key=lambda c: -c.priority):
+        if spec.meta.get("explicit_only"):
+            rejected.append((spec, ["only used when asked for by name"]))
+            continue
         reasons = spec.reasons_against(context)
         if reasons:
             rejected.append((spec, reasons))

@@ -13,11 +13,7 @@ def _load() -> Any:
     return DummyLoader
 
 
-def _check(model: str) -> list[str]:
-    # Only by explicit request: random weights must never be chosen silently.
-    return ["only used when asked for (loader: dummy / --load-format dummy)"]
-
-
 @hookimpl
 def register_loaders(register: Any) -> None:
-    register("dummy", _load, priority=-100, check=_check, description="random weights from a config folder")
+    # explicit_only: random weights must never be chosen silently (loader: dummy / --load-format dummy).
+    register("dummy", _load, priority=-100, explicit_only=True, description="random weights from a config folder")

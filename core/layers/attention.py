@@ -1,0 +1,71 @@
+"""The model-side attention layer: shapes q/k/v into heads and hands them to the selected backend's kernel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.protocols.model import ModelBuildContext
+
+
+class Attention(nn.Module):
+    """Paged attention over one layer's KV cache. Head counts are this rank's (after tensor-parallel split).
+
+    The layer holds no weights and no cache: the cache tensor arrives with every call, so the runner owns the
+    memory and may re-allocate it (e.g. after profiling) without rebuilding the model.
+    """
+
+    def __init__(
+        self,
+        ctx: ModelBuildContext,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"{prefix}: {num_heads} query heads do not split into {num_kv_heads} KV groups")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.layer_config = AttentionLayerConfig(
+            num_heads=num_heads,
+            head_size=head_size,
+            num_kv_heads=num_kv_heads,
+            scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+        self.impl = ctx.attn_backend.make_impl(self.layer_config)
+        self.prefix = prefix
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads * head_size]
+        key: torch.Tensor,  # [T, num_kv_heads * head_size]
+        value: torch.Tensor,  # [T, num_kv_heads * head_size]
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, num_heads * head_size]
+        """Write this step's K/V into the cache and attend over each request's context."""
+        num_tokens = query.shape[0]
+        out = self.impl.forward(
+            query.reshape(num_tokens, self.num_heads, self.head_size),
+            key.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            value.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            kv_cache,
+            attn_metadata,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        cfg = self.layer_config
+        return f"heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, window={cfg.sliding_window}"

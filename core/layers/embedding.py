@@ -1,0 +1,76 @@
+"""Token embedding and LM head, both split along the vocabulary across tensor-parallel ranks.
+
+The vocabulary is padded up to a multiple of tp_size so every rank holds the same number of rows:
+
+    rank r owns token ids [r * V_part, (r + 1) * V_part), V_part = ceil(V / tp); rows >= V are zero padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.linear import tp_all_gather, tp_all_reduce
+from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
+from pagedllm.protocols.model import ModelBuildContext
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows are split across ranks; each rank looks up its own ids and the sum is all-reduced."""
+
+    def __init__(self, ctx: ModelBuildContext, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = ctx.tp_rank
+        self.tp_size = ctx.tp_size
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // ctx.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.zeros(self.num_embeddings_per_partition, embedding_dim, dtype=ctx.dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's rows of the [vocab, hidden] checkpoint tensor; padding rows stay zero."""
+        if shard_id is not None:
+            raise WeightLoadError(f"embeddings take no shard id (got {shard_id!r})")
+        if loaded_weight.shape[0] != self.num_embeddings:
+            raise WeightLoadError(
+                f"vocab size {loaded_weight.shape[0]} in checkpoint, {self.num_embeddings} in config"
+            )
+        rows = self.vocab_end - self.vocab_start
+        copy_checked(param.data[:rows], loaded_weight[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> vocab logits; may share its weight with the embedding (tie_word_embeddings)."""
+
+    def __init__(self, ctx: ModelBuildContext, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(ctx, num_embeddings, embedding_dim)
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        """Use the embedding's parameter as ours (one tensor, loaded once from embed_tokens)."""
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError("cannot tie embeddings of different shapes")
+        self.weight = embedding.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits in the model dtype (padding columns dropped)."""
+        logits = F.linear(hidden_states, self.weight)
+        logits = tp_all_gather(logits, self.tp_size, dim=-1)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,114 @@
+"""Rotary position embedding (RoPE), neox style, with a precomputed cos/sin cache indexed by position.
+
+Neox style rotates the two halves of each head: for x = [x1 | x2] (rotary_dim / 2 each),
+    out = [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
+with angle(pos, i) = pos * inv_freq[i]. Dimensions past rotary_dim (partial rotary) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k at given positions. `rope_scaling` is a HF rope dict (rope_type + its fields).
+
+    The cache holds max_position rows; build one per model and share it between layers.
+    """
+
+    cos_cache: torch.Tensor  # [max_position, rotary_dim / 2] float32
+    sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        inv_freq = _inv_freq(rotary_dim, base, rope_scaling)
+        # Computed in float32 like transformers does, then cast to the activation dtype when applied.
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        # persistent=False: the cache is derived from the config, never read from a checkpoint.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, nh * hs] and key [T, nkv * hs] (or [T, heads, hs]); returns rotated copies.
+
+        Positions must be < max_position (no bounds check here: it would cost a device sync per layer).
+        """
+        cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2], broadcast over heads
+        sin = self.sin_cache[positions].unsqueeze(-2)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_size)  # q/k may be non-contiguous slices of the qkv output
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rotated, rest), dim=-1).view(shape)
+
+
+def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """inv_freq[i] = base^(-2i / rotary_dim), adjusted by the scaling type."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_scaling is None or rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        # Scaling positions by 1/factor equals scaling the frequencies by 1/factor.
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"rope type '{rope_type}' is not supported (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a HF config, old (rope_theta + rope_scaling) or new
+    (rope_parameters, transformers >= 5) style."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        return theta, (None if rope_type == "default" else dict(params))
+    theta = float(getattr(hf_config, "rope_theta", None) or 10000.0)
+    scaling = getattr(hf_config, "rope_scaling", None)
+    return theta, (dict(scaling) if scaling else None)
+
+
+def get_rope(hf_config: Any, head_size: int) -> RotaryEmbedding:
+    """The RotaryEmbedding a HF config describes (theta, scaling, partial_rotary_factor)."""
+    theta, scaling = rope_settings(hf_config)
+    factor = getattr(hf_config, "partial_rotary_factor", None)
+    if factor is None and isinstance(getattr(hf_config, "rope_parameters", None), dict):
+        factor = hf_config.rope_parameters.get("partial_rotary_factor")
+    rotary_dim = int(head_size * (factor or 1.0))
+    max_position = int(getattr(hf_config, "max_position_embeddings", 4096) or 4096)
+    return RotaryEmbedding(head_size, rotary_dim, max_position, theta, scaling)

@@ -1,0 +1,51 @@
+"""The default quantization method: dense weights in the model dtype, y = x @ W^T + b."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
+
+
+class UnquantizedLinearMethod:
+    """Stores one dense `weight` [sum(output_partition_sizes), input_size_per_partition] per layer."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register `weight`; output axis 0 and input axis 1 tell the layer's loader where to shard."""
+        weight = torch.nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1, "weight_loader": default_weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x @ W^T (+ bias)."""
+        return F.linear(x, cast(torch.Tensor, layer.weight), bias)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Nothing to repack for dense weights."""
+
+
+class UnquantizedConfig:
+    """The "none" quantization config: every linear layer gets an `UnquantizedLinearMethod`."""
+
+    name = "none"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None = None) -> UnquantizedConfig:
+        """Build from a checkpoint's quantization_config (ignored: there is nothing to configure)."""
+        return cls()
+
+    def get_method(self, layer: torch.nn.Module, prefix: str) -> UnquantizedLinearMethod:
+        """The dense method, for any layer."""
+        return UnquantizedLinearMethod()

@@ -1,0 +1,204 @@
+"""The reference paged-attention backend in plain PyTorch: the correctness oracle for the kernel backends.
+
+Cache layout, per layer: kv_cache[0] = K, kv_cache[1] = V, each [num_blocks, block_size, num_kv_heads, head].
+Viewed flat as [num_blocks * block_size, ...], token slot s = block * block_size + offset is row s.
+
+Each step the impl (1) writes the new K/V rows at slot_mapping, then (2) reads every request's whole context
+back through its block table -- cached tokens of earlier steps, prefix-cache hits, earlier chunks and the
+new tokens alike -- and attends causally:
+
+    context of request i:  positions 0 .. seq_len-1      (the last query_len of them are this step's)
+    query row j (0-based within the request) sits at position seq_len - query_len + j and may see
+    key position p when  p <= that position  and, with a sliding window W,  p > that position - W.
+
+Contexts are read a whole block at a time (block_table rows index kv_cache[:, block]), not slot by slot:
+contiguous block_size-token reads instead of one gather per token. Decodes (the leading num_decodes
+requests, one query each) are batched over a padded [D, L = blocks * block_size] grid with a validity mask;
+prefills run one request at a time through SDPA. Scores and softmax are computed in float32 whatever the
+model dtype: the oracle favours accuracy over speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.protocols.attention import AttentionLayerConfig, CommonAttentionMetadata
+
+
+@dataclass
+class PrefillSegment:
+    """One non-decode request: its query rows, context length, context blocks and causal mask."""
+
+    query_start: int
+    query_end: int
+    context_len: int
+    blocks: torch.Tensor  # [ceil(context_len / block_size)] int64: the request's blocks, in order
+    causal_mask: torch.Tensor  # [query_len, context_len] bool, True = may attend
+    query_positions: torch.Tensor  # [query_len] int64
+    key_positions: torch.Tensor  # [context_len] int64
+
+
+@dataclass
+class TorchSDPAMetadata:
+    """The common metadata plus the gather plans shared by every layer of the step."""
+
+    common: CommonAttentionMetadata
+    num_decodes: int = 0
+    decode_blocks: torch.Tensor | None = None  # [D, L / block_size] int64 block ids (0 where padding)
+    decode_valid: torch.Tensor | None = None  # [D, L] bool: position < seq_len
+    decode_seq_lens: torch.Tensor | None = None  # [D] int64
+    decode_key_positions: torch.Tensor | None = None  # [L] int64
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given blocks as float32 [..., n_blocks * block_size, kv_heads, head] (one gather)."""
+    kv = kv_cache[:, blocks].float()  # [2, ..., n_blocks, block_size, kv_heads, head]
+    kv = kv.flatten(-4, -3)
+    return kv[0], kv[1]
+
+
+class TorchSDPAImpl:
+    """One layer's kernel: write K/V, then decode batch + per-request prefill attention."""
+
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        self.num_heads = layer.num_heads
+        self.num_kv_heads = layer.num_kv_heads
+        self.head_size = layer.head_size
+        self.scale = layer.scale
+        self.sliding_window = layer.sliding_window
+        self.soft_cap = layer.logits_soft_cap
+        self.group = layer.num_heads // layer.num_kv_heads
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchSDPAMetadata,
+    ) -> torch.Tensor:
+        """Write key/value at metadata's slots, then attend causally over each request's whole context."""
+        common = metadata.common
+        num_tokens = common.num_actual_tokens
+        # Flat views share storage with kv_cache, so index_copy_ writes the paged cache in place.
+        k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        # Rows past num_actual_tokens are padding (e.g. for a captured graph) and are neither stored nor read.
+        slots = common.slot_mapping[:num_tokens]
+        k_flat.index_copy_(0, slots, key[:num_tokens].to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, value[:num_tokens].to(v_flat.dtype))
+
+        out = torch.zeros_like(query)
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata).to(out.dtype)
+        for seg in metadata.prefills:
+            rows = slice(seg.query_start, seg.query_end)
+            out[rows] = self._prefill(query[rows], kv_cache, seg).to(out.dtype)
+        return out
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
+        assert md.decode_blocks is not None and md.decode_valid is not None
+        assert md.decode_seq_lens is not None and md.decode_key_positions is not None
+        num_decodes = query.shape[0]
+        q = query.float().reshape(num_decodes, self.num_kv_heads, self.group, self.head_size)
+        k, v = _gather_context(kv_cache, md.decode_blocks)  # [D, L, kv_heads, head]
+        scores = torch.einsum("dkgh,dlkh->dkgl", q, k) * self.scale
+        if self.soft_cap is not None:
+            scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
+        valid = md.decode_valid
+        if self.sliding_window is not None:
+            # The query sits at position seq_len - 1; it sees the W positions ending there.
+            valid = valid & (
+                md.decode_key_positions[None, :] >= md.decode_seq_lens[:, None] - self.sliding_window
+            )
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("dkgl,dlkh->dkgh", probs, v)
+        return out.reshape(num_decodes, self.num_heads, self.head_size)
+
+    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
+        q = query.float().transpose(0, 1)  # [heads, n, head]
+        k, v = _gather_context(kv_cache, seg.blocks)
+        # Drop the unused tail of the last block. GQA: each KV head serves `group` consecutive query heads.
+        k = k[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)  # [heads, ctx, head]
+        v = v[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)
+        mask = seg.causal_mask
+        if self.sliding_window is not None:
+            mask = mask & (seg.key_positions[None, :] > seg.query_positions[:, None] - self.sliding_window)
+        if self.soft_cap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            # SDPA has no soft-cap: spell the attention out.
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+            scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out = torch.matmul(probs, v)
+        return out.transpose(0, 1)  # [n, heads, head]
+
+
+class TorchSDPABackend:
+    """Reference backend: any device, any dtype torch supports, sliding window and soft-cap included."""
+
+    name: ClassVar[str] = "torch"
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """K and V stacked on a leading axis of 2, each in NHD block layout."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        """Precompute, once per step, the context slots and masks every layer reuses."""
+        block_size = common.block_size
+        block_table = common.block_table
+        device = block_table.device
+        num_decodes = common.num_decodes
+        # Host copies only: planning must not wait on the device.
+        query_start = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        if query_start[num_decodes] != num_decodes:
+            raise ValueError(f"the first {num_decodes} requests must be decodes with exactly one query token")
+        md = TorchSDPAMetadata(common=common, num_decodes=num_decodes)
+
+        if num_decodes:
+            num_blocks = -(-max(seq_lens[:num_decodes]) // block_size)
+            positions = torch.arange(num_blocks * block_size, device=device)
+            lens = common.seq_lens[:num_decodes].to(device=device, dtype=torch.int64)
+            blocks = block_table[:num_decodes, :num_blocks].long()
+            used = positions[None, ::block_size] < lens[:, None]  # [D, num_blocks]: block holds context
+            md.decode_blocks = torch.where(used, blocks, 0)  # table padding may be any id (or -1)
+            md.decode_valid = positions[None, :] < lens[:, None]
+            md.decode_seq_lens = lens
+            md.decode_key_positions = positions
+
+        for i in range(num_decodes, common.num_reqs):
+            start, end, context_len = query_start[i], query_start[i + 1], seq_lens[i]
+            if end == start:
+                continue
+            key_positions = torch.arange(context_len, device=device)
+            query_positions = key_positions[context_len - (end - start) :]
+            md.prefills.append(
+                PrefillSegment(
+                    query_start=start,
+                    query_end=end,
+                    context_len=context_len,
+                    blocks=block_table[i, : -(-context_len // block_size)].long(),
+                    causal_mask=key_positions[None, :] <= query_positions[:, None],
+                    query_positions=query_positions,
+                    key_positions=key_positions,
+                )
+            )
+        return md
+
+    @staticmethod
+    def make_impl(layer: AttentionLayerConfig) -> TorchSDPAImpl:
+        """One impl per attention layer."""
+        return TorchSDPAImpl(layer)
