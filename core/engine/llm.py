@@ -28,6 +28,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine (fires the engine_stopped hook once)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

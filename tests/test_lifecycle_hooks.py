@@ -1,0 +1,48 @@
+"""Lifecycle hooks reach a registered plugin: engine started/stopped, request finished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedllm import SamplingParams, hookimpl
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.plugin_manager import PluginManager
+from tiny_models import make_tiny_model
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+
+    @hookimpl
+    def engine_started(self, engine: Any) -> None:
+        self.events.append(("started", engine.max_model_len))
+
+    @hookimpl
+    def request_finished(self, output: Any) -> None:
+        self.events.append(("finished", (output.request_id, output.outputs[0].finish_reason)))
+
+    @hookimpl
+    def engine_stopped(self, engine: Any) -> None:
+        self.events.append(("stopped", None))
+
+
+def test_lifecycle_hooks_fire_in_order(tiny_root: Path) -> None:
+    pm = PluginManager()
+    recorder = Recorder()
+    pm.register(recorder, name="recorder", distribution="tests")
+    engine = LLMEngine(EngineConfig(model=make_tiny_model("llama", tiny_root)), plugin_manager=pm)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", [8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        if ("finished", ("a", "length")) in recorder.events and engine.processor.requests.get("b"):
+            engine.abort_request("b")
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    names = [e[0] for e in recorder.events]
+    assert names == ["started", "finished", "finished", "stopped"]
+    assert ("finished", ("a", "length")) in recorder.events
+    assert ("finished", ("b", "abort")) in recorder.events
