@@ -12,7 +12,8 @@ component is actually used, so discovering plugins never imports torch kernels, 
 - priority: higher wins when several pass their checks.
 - requires: importable module names the component needs; a missing one makes it unavailable, with a reason.
 - check: `(context) -> list[str]`, reasons the component cannot serve this context (empty: it can).
-- meta: extra, kind-specific facts (e.g. `spec_type` for KV managers).
+- meta: extra, kind-specific facts (e.g. `spec_type` for KV managers; `explicit_only=True` keeps a
+  component out of automatic selection, as for the `dummy` loader).
 """
 
 from __future__ import annotations
@@ -76,3 +77,11 @@ def engine_stopped(engine: Any) -> None:
 @hookspec
 def request_finished(output: Any) -> None:
     """A request reached a final state; `output` is its final RequestOutput."""
+
+
+@hookspec
+def server_app_created(app: Any, engine: Any) -> None:
+    """The HTTP server's app was built (for the default `openai` entrypoint: a FastAPI app, before it starts).
+
+    Add routes, middleware or exception handlers here. `engine` is the `AsyncLLM` the app serves.
+    """

@@ -1,17 +1,18 @@
-"""The `pagedllm` command: generate, chat, plugins, config show, bench."""
+"""The `pagedllm` command: generate, serve, chat, plugins, config show, bench."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from pagedllm.cli import bench_cmd, chat_cmd, config_cmd, generate_cmd, plugins_cmd
+from pagedllm.cli import bench_cmd, chat_cmd, config_cmd, generate_cmd, plugins_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="paged-KV-cache LLM inference from plugins")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
     chat_cmd.add_parser(sub)
     plugins_cmd.add_parser(sub)
     config_cmd.add_parser(sub)

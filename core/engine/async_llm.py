@@ -1,0 +1,336 @@
+"""AsyncLLM: the asyncio frontend of an engine core that runs in its own process (vLLM V1's serving shape).
+
+    generate(prompt, params, id) ──▶ tokenize, validate, fan out n samples ──▶ EngineCoreClient (ZMQ)
+            ▲                                                                        │
+            └── per-request asyncio.Queue ◀── OutputProcessor (detokenize, stops) ◀──┘ Outputs per step
+
+The tokenizer, chat template and detokenizer live here, in the API process; the core only sees token ids.
+`generate` yields *deltas*: each RequestOutput carries, per sample that changed, only the new text, token
+ids and logprobs, so a streaming server writes them straight out and a non-streaming one concatenates them
+(streamed and non-streamed text are then equal by construction).
+
+NOTE(1): leaving the `async for` early (a client disconnect cancels the task) aborts the request in the core,
+which frees its KV blocks.
+NOTE(2): the waiting-queue bound is enforced here, where it can be answered at once: sequences in flight
+beyond `max_num_seqs` are the ones waiting, and more than `scheduler.max_waiting` of them is QueueFullError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
+from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.serialization import Outputs, Ready
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.plugin_manager import PluginManager, get_plugin_manager
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.stats import SchedulerStats
+
+logger = logging.getLogger("pagedllm")
+
+PromptType = str | list[int] | dict[str, Any]
+
+__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestValidationError"]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound (`scheduler.max_waiting`); retry later."""
+
+
+class RequestValidationError(ValueError):
+    """A request the engine will not run; `param` names the offending parameter (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Stream:
+    """One request's queue and how much of each sample has been handed out already."""
+
+    request_id: str
+    samples: list[Any]  # the OutputProcessor's _Sample objects, by index
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_logprobs: list[int] = field(default_factory=list)
+    reported_finish: list[bool] = field(default_factory=list)
+    finished: bool = False
+
+
+class AsyncLLM:
+    def __init__(
+        self, config: EngineConfig, plugin_manager: PluginManager | None = None, served_model_name: str | None = None
+    ) -> None:
+        from pagedllm.engine.builder import select_loader
+
+        self.config = config
+        self.pm = plugin_manager or get_plugin_manager()
+        self.model_name = served_model_name or config.model or DEFAULT_MODEL_ALIAS
+        model_ref = resolve_model_reference(config.model)
+        # The same loader plugin the core uses, but only for config and tokenizer: no weights here.
+        loader = select_loader(self.pm, config, model_ref).load()()
+        self.model_info = loader.load_info(model_ref, config.tokenizer)
+        self.tokenizer = self.model_info.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+        self.client = EngineCoreClient(config, self._on_outputs, self._on_death)
+        self.stats = SchedulerStats()
+        self.stats_time = 0.0
+        # Called with the final cumulative RequestOutput of every request (finished, aborted or failed).
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._ready: Ready | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> Ready:
+        self._ready = await self.client.start()
+        self.pm.hook.engine_started(engine=self)
+        return self._ready
+
+    async def shutdown(self) -> None:
+        if self._ready is not None and not self.client._closed:
+            self.pm.hook.engine_stopped(engine=self)
+        await self.client.shutdown()
+
+    @property
+    def ready(self) -> Ready:
+        if self._ready is None:
+            raise EngineDeadError("the engine core has not started")
+        return self._ready
+
+    @property
+    def healthy(self) -> bool:
+        return self._ready is not None and self.client.alive
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead_reason
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        return sum(1 for s in self._streams.values() for x in s.samples if x.finish_reason is None)
+
+    # -- prompts -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids) for a string, a list of ids or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestValidationError("this model has no tokenizer: send token ids", "prompt")
+            try:
+                return prompt, list(self.tokenizer(prompt).input_ids)
+            except Exception as exc:  # e.g. lone surrogates a JSON body can carry but no tokenizer takes
+                raise RequestValidationError(f"the prompt could not be tokenized: {exc}", "prompt") from exc
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise RequestValidationError(f"unsupported prompt type {type(prompt).__name__}", "prompt")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestValidationError("this model has no tokenizer, so it has no chat template", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+            )
+        except Exception as exc:  # a template error is the caller's messages (roles, content) being off
+            raise RequestValidationError(f"the chat template could not be applied: {exc}", "messages") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+        max_len = self.max_model_len
+        if not prompt_ids:
+            raise RequestValidationError("the prompt is empty", prompt_param)
+        vocab = self.ready.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", prompt_param)
+        if len(prompt_ids) >= max_len:
+            raise RequestValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, the prompt has "
+                f"{len(prompt_ids)} tokens, leaving no room for the completion.", prompt_param,
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise RequestValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens",
+            )
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> _Stream:
+        """Tokenize, validate and queue; raises at once (RequestValidationError, QueueFullError, EngineDeadError)."""
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(self.client.dead_reason)
+        if request_id in self._streams:
+            raise RequestValidationError(f"request id {request_id!r} is already in use", "request_id")
+        bound = self.config.scheduler.max_waiting
+        if bound is not None and self.num_unfinished_sequences + params.n > self.config.scheduler.max_num_seqs + bound:
+            raise QueueFullError(f"the waiting queue is full ({bound} requests waiting); retry later")
+        params = params.clone()
+        _, prompt_ids = self.tokenize(prompt)
+        self._validate(prompt_ids, params, prompt_param)
+        if params.max_tokens is None:
+            params.max_tokens = max(1, self.max_model_len - len(prompt_ids))
+        eos_ids = set(self.ready.eos_token_ids)
+        params._all_stop_token_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else eos_ids)
+        prompt_text = prompt if isinstance(prompt, str) else None
+        arrival = time.monotonic()
+        samples = fan_out(request_id, params)
+        self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
+        state = self.processor.requests[request_id]
+        stream = _Stream(request_id, sorted(state.samples.values(), key=lambda s: s.index))
+        stream.sent_tokens = [0] * len(samples)
+        stream.sent_logprobs = [0] * len(samples)
+        stream.reported_finish = [False] * len(samples)
+        self._streams[request_id] = stream
+        eos = min(eos_ids) if eos_ids else None
+        try:
+            for core_id, child in samples:
+                self.client.add_request(
+                    Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority, eos_token_id=eos)
+                )
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            self.processor.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas until it finishes. Errors (validation, queue full, engine dead) are raised
+        on the first iteration; a failed request raises EngineDeadError or ends with `error` set."""
+        rid = request_id or f"req-{next(self._ids)}"
+        stream = self.add_request(rid, prompt, params, priority, prompt_param)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the core (its blocks are freed) and forget it here."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+        self.client.abort(self.processor.core_ids(request_id))
+        out = self.processor.abort(request_id)
+        if out is not None:
+            self._notify_finished(out)
+
+    # -- from the engine core ----------------------------------------------------------------------------------
+
+    def _on_outputs(self, msg: Outputs) -> None:
+        if msg.stats is not None:
+            self.stats, self.stats_time = msg.stats, time.monotonic()
+        if not msg.outputs:
+            return
+        outputs, to_abort = self.processor.process(msg.outputs)
+        if to_abort:  # stop strings found here end sequences the core still runs
+            self.client.abort(to_abort)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(self._delta(stream, out))
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                self._notify_finished(out)
+
+    def _on_death(self, reason: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.finished = True
+            stream.queue.put_nowait(EngineDeadError(f"the engine core died: {reason}"))
+            self.processor.abort(rid)
+        self._streams.clear()
+
+    def _notify_finished(self, out: RequestOutput) -> None:
+        try:
+            self.pm.hook.request_finished(output=out)
+        except Exception:  # a plugin's hook must never break serving
+            logger.exception("request_finished hook failed")
+        for listener in self.finished_listeners:
+            try:
+                listener(out)
+            except Exception:  # metrics must never break serving
+                logger.exception("finished listener failed")
+
+    @staticmethod
+    def _delta(stream: _Stream, out: RequestOutput) -> RequestOutput:
+        """The part of `out` not yet handed out: per changed sample, new text / ids / logprobs."""
+        deltas = []
+        for i, s in enumerate(stream.samples):
+            done = s.finish_reason is not None
+            text = s.detokenizer.get_next_output_text(done, delta=True)
+            ids = s.token_ids[stream.sent_tokens[i]:]
+            stream.sent_tokens[i] = len(s.token_ids)
+            lps = None
+            if s.logprobs is not None:
+                lps = s.logprobs[stream.sent_logprobs[i]:]
+                stream.sent_logprobs[i] = len(s.logprobs)
+            newly_done = done and not stream.reported_finish[i]
+            if text or ids or newly_done:
+                stream.reported_finish[i] = done
+                deltas.append(
+                    CompletionOutput(s.index, text, ids, s.cumulative_logprob, lps, s.finish_reason, s.stop_reason)
+                )
+        return RequestOutput(
+            out.request_id, out.prompt, out.prompt_token_ids, deltas, out.finished, out.num_cached_tokens,
+            out.metrics, out.error,
+        )
+
+
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """(engine-core id, params) per sample: n > 1 becomes n sequences sharing the prompt's cached blocks.
+
+    Mirrors LLMEngine.add_request's fan-out (the lead may move both onto this one function).
+    """
+    if params.n == 1:
+        return [(request_id, params)]
+    samples = []
+    for i in range(params.n):
+        child = params.clone()
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + i  # distinct but reproducible streams
+        samples.append((f"{request_id}#{i}", child))
+    return samples

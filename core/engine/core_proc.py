@@ -1,0 +1,152 @@
+"""The engine-core process: builds the engine, then loops — take requests in, step, send outputs out.
+
+Started by `EngineCoreClient` (multiprocessing, spawn) with an EngineConfig as a plain dict and two ipc://
+addresses. It never sees text: requests arrive as token ids, outputs leave as token ids, so tokenizing and
+detokenizing stay in the API process and overlap with the model's steps there.
+
+    loop:
+        wait for input (no timeout while there is work, else up to HEARTBEAT_S)
+        apply every queued AddRequest / Abort (Shutdown ends the loop)
+        step once if anything is unfinished
+        send Outputs(step outputs, stats) — also when only an abort changed the stats, and as a heartbeat
+
+NOTE(1): stats ride along with every Outputs message: KV usage after an abort must reach /metrics even when
+no step follows (the test "disconnected clients free their blocks" reads exactly that).
+NOTE(2): the process exits when its parent is gone (orphaned engines would hold memory forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.engine.serialization import (
+    Abort,
+    AddRequest,
+    Fatal,
+    Outputs,
+    Ready,
+    Shutdown,
+    decode_to_core,
+    encode,
+    request_from_message,
+)
+
+logger = logging.getLogger("pagedllm")
+
+HEARTBEAT_S = 1.0
+
+
+def run_engine_core(config_dict: dict[str, Any], input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Process entry point (must stay importable by name for the spawn start method)."""
+    import zmq
+
+    # Ctrl-C in a terminal reaches the whole process group; the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "WARNING"))
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)  # let the last message (Fatal, final outputs) reach the peer
+    out.connect(output_addr)
+    try:
+        try:
+            core, ready = _build(config_dict)
+        except Exception as exc:
+            out.send(encode(Fatal(f"engine core failed to start: {type(exc).__name__}: {exc}")))
+            return
+        out.send(encode(ready))
+        try:
+            EngineCoreLoop(core, inp, out, parent_pid).run()
+        except Exception as exc:
+            logger.error("engine core crashed:\n%s", traceback.format_exc())
+            out.send(encode(Fatal(f"engine core crashed: {type(exc).__name__}: {exc}")))
+            raise SystemExit(1) from exc
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.builder import build_engine
+    from pagedllm.engine.engine_core import EngineCore
+
+    parts = build_engine(EngineConfig.model_validate(config_dict))
+    info = parts.info
+    eos = set(info.eos_token_ids)
+    tok_eos = getattr(info.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        eos.add(int(tok_eos))
+    ready = Ready(
+        pid=os.getpid(),
+        model_name=parts.model_ref,
+        max_model_len=parts.max_model_len,
+        eos_token_ids=sorted(eos),
+        vocab_size=int(info.hf_config.vocab_size),
+        num_blocks=parts.num_blocks,
+        block_size=parts.block_size,
+    )
+    return EngineCore(parts), ready
+
+
+class EngineCoreLoop:
+    """The busy loop around one EngineCore and its two sockets."""
+
+    def __init__(self, core: Any, inp: Any, out: Any, parent_pid: int) -> None:
+        self.core, self.inp, self.out, self.parent_pid = core, inp, out, parent_pid
+        self._pending_errors: list[EngineCoreOutput] = []
+
+    def run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        last_sent = 0.0
+        while True:
+            busy = self.core.has_unfinished_requests()
+            poller.poll(0 if busy else int(HEARTBEAT_S * 1000))
+            changed, stop = self._drain_input()
+            if stop:
+                return
+            outputs, self._pending_errors = self._pending_errors, []
+            if self.core.has_unfinished_requests():
+                outputs.extend(self.core.step())
+            now = time.monotonic()
+            if outputs or changed or now - last_sent >= HEARTBEAT_S:
+                self.out.send(encode(Outputs(outputs, self.core.get_stats(), time.time())))
+                last_sent = now
+            if os.getppid() != self.parent_pid:
+                logger.warning("engine core: the API process is gone; exiting")
+                return
+
+    def _drain_input(self) -> tuple[bool, bool]:
+        """Apply every queued message. Returns (anything changed, shutdown requested)."""
+        import zmq
+
+        changed = False
+        while True:
+            try:
+                data = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return changed, False
+            msg = decode_to_core(data)
+            changed = True
+            if isinstance(msg, AddRequest):
+                try:
+                    self.core.add_request(request_from_message(msg))
+                except Exception as exc:  # e.g. a duplicate id: fail that request, not the engine
+                    self._pending_errors.append(
+                        EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(exc))
+                    )
+            elif isinstance(msg, Abort):
+                self.core.abort_requests(msg.request_ids)
+            elif isinstance(msg, Shutdown):
+                return changed, True
