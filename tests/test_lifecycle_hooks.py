@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tiny_models import make_tiny_model
+
 from pagedllm import SamplingParams, hookimpl
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.plugin_manager import PluginManager
-from tiny_models import make_tiny_model
 
 
 class Recorder:
