@@ -1,12 +1,19 @@
-"""EngineConfig: the whole engine assembled from one file (YAML or TOML), with CLI overrides on top.
+"""EngineConfig: the whole engine assembled from one file (YAML or TOML), with overrides on top.
 
 Every section forbids unknown keys, so a typo fails loudly with the dotted key named instead of being
 ignored. Plugins are chosen by name here; `None` means "let the selector decide".
+
+Precedence, lowest first: defaults < the file < environment variables `PAGEDLLM_<SECTION>__<KEY>` (e.g.
+`PAGEDLLM_SCHEDULER__MAX_NUM_SEQS=8`, `PAGEDLLM_MODEL=...`; values parsed as YAML scalars) < command-line
+flags / `--set` / `LLM(...)` keyword arguments. A plugin's own section `plugins.<name>` is validated by the
+pydantic model it registers (`config_model=`), see `validate_plugin_sections`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,50 +25,68 @@ class _Section(BaseModel):
 
 
 class AttentionConfig(_Section):
+    """Which attention backend runs the model's attention layers."""
+
     backend: str | None = Field(None, description="attention backend plugin name; None = auto-select")
 
 
 class KVCacheConfigSection(_Section):
+    """The paged KV cache: block size, how many blocks, prefix caching."""
+
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="force the number of blocks (overrides memory)")
     memory_gb: float = Field(1.0, gt=0, description="KV-cache budget on CPU (GiB)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="fraction of GPU memory to use")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
     cache_dtype: str = Field("auto", description="'auto' = the model dtype")
 
 
 class SchedulerConfig(_Section):
+    """Which scheduler plugin decides each step's batch, and its limits."""
+
     name: str = Field("fcfs", description="scheduler plugin name")
     max_num_seqs: int = Field(64, ge=1, description="most requests in one step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps within the token budget")
     max_waiting: int | None = Field(None, ge=1, description="bound on queued requests (None: unbounded)")
 
 
 class LoaderConfig(_Section):
+    """Which loader plugin reads the model (by default chosen from the model path)."""
+
     name: str | None = Field(None, description="loader plugin name (hf, gguf, dummy); None = by model path")
     seed: int = Field(0, description="seed for dummy weights")
 
 
 class QuantizationSection(_Section):
+    """Quantization method (by default the checkpoint's own)."""
+
     method: str | None = Field(None, description="force a quantization method; None = from the checkpoint")
 
 
 class EngineConfig(_Section):
     model: str | None = Field(None, description="model folder, .gguf file or alias; None = embedded default")
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    max_model_len: int | None = Field(None, ge=1)
+    tokenizer: str | None = Field(None, description="tokenizer folder; None = the model's own")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto: float32 on CPU, the checkpoint's half type on GPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    seed: int = Field(0, description="engine seed (dummy weights, unseeded sampling)")
+    max_model_len: int | None = Field(None, ge=1, description="context length cap; None = the model's")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     kv_cache: KVCacheConfigSection = Field(default_factory=KVCacheConfigSection)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
-    # Free-form sections owned by plugins (validated by the plugins that read them).
-    plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    logits_processors: list[str] = Field(
+        default_factory=list,
+        description="logits processor plugins to run, in order, before penalties and temperature",
+    )
+    # Sections owned by plugins, keyed by component name; validated by the model the plugin registers.
+    plugins: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-plugin sections, `plugins.<component name>.<key>`"
+    )
 
     @field_validator("model")
     @classmethod
@@ -69,22 +94,39 @@ class EngineConfig(_Section):
         return os.path.expanduser(v) if v else v
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], overrides: dict[str, Any] | None = None) -> EngineConfig:
-        """Load YAML or TOML, then apply dotted `overrides` ({"scheduler.max_num_seqs": 8})."""
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        overrides: dict[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> EngineConfig:
+        """Load YAML or TOML, then environment overrides, then dotted `overrides` ({"scheduler.max_num_seqs": 8})."""
         data = read_config_file(path)
-        return cls.from_dict(data, overrides, source=str(path))
+        return cls.from_dict(data, overrides, source=str(path), env=env)
 
     @classmethod
     def from_dict(
-        cls, data: dict[str, Any], overrides: dict[str, Any] | None = None, source: str = "config"
+        cls,
+        data: dict[str, Any],
+        overrides: dict[str, Any] | None = None,
+        source: str = "config",
+        env: Mapping[str, str] | None = None,
     ) -> EngineConfig:
+        """Validate `data` with `PAGEDLLM_*` environment overrides (from `env`, default os.environ) and then
+        `overrides` applied on top."""
         merged = _deep_copy(data)
+        from_env = env_overrides(os.environ if env is None else env)
+        origins: dict[str, str] = {}
+        for dotted, (var, value) in from_env.items():
+            _set_dotted(merged, dotted, value)
+            origins[dotted] = f"environment {var}"
         for dotted, value in (overrides or {}).items():
             _set_dotted(merged, dotted, value)
+            origins[dotted] = "an override"
         try:
             return cls.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(_explain(exc, source, set(overrides or ()))) from None
+            raise ConfigError(_explain(exc, source, origins)) from None
 
 
 class ConfigError(ValueError):
@@ -112,12 +154,85 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _explain(exc: ValidationError, source: str, overridden: set[str]) -> str:
+ENV_PREFIX = "PAGEDLLM_"
+# PAGEDLLM_* variables that are settings of their own, not config keys.
+_ENV_RESERVED = {"PAGEDLLM_PLUGINS", "PAGEDLLM_LOG_LEVEL"}
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+    """Dotted key -> (variable, value) for every `PAGEDLLM_<SECTION>__<KEY>` (or top-level `PAGEDLLM_<KEY>`).
+
+    `__` separates levels (a single `_` is part of a name: `MAX_NUM_SEQS`), names are lower-cased, values are
+    YAML scalars (`8` -> int, `false` -> bool, `[1, 2]` -> list). A variable without `__` counts only when it
+    names a top-level key, so unrelated `PAGEDLLM_*` settings are left alone; one with `__` is always a key,
+    and an unknown one fails validation naming the variable.
+    """
+    import yaml
+
+    out: dict[str, tuple[str, Any]] = {}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in _ENV_RESERVED:
+            continue
+        parts = var[len(ENV_PREFIX):].lower().split("__")
+        if len(parts) == 1 and (parts[0] not in EngineConfig.model_fields or parts[0] == "plugins"):
+            continue
+        if any(not p for p in parts):
+            continue
+        raw = env[var]
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        out[".".join(parts)] = (var, value)
+    return out
+
+
+def validate_plugin_sections(config: EngineConfig, models: Mapping[str, type[BaseModel]]) -> dict[str, Any]:
+    """Validate each `plugins.<name>` section with the pydantic model registered for `name`.
+
+    Returns name -> validated model instance (plain dict for sections without a model); a used plugin
+    whose section is absent gets its model's defaults from `plugin_section`. Errors name
+    `plugins.<name>.<key>`; a section no installed plugin claims only warns (the plugin may be uninstalled
+    while the config still mentions it, and an unused section harms nothing).
+    """
+    validated: dict[str, Any] = {}
+    lines: list[str] = []
+    for name, section in config.plugins.items():
+        model = models.get(name)
+        if model is None:
+            warnings.warn(f"config section plugins.{name}: no installed plugin declares it; ignored",
+                          RuntimeWarning, stacklevel=2)
+            validated[name] = dict(section)
+            continue
+        try:
+            validated[name] = model.model_validate(section)
+        except ValidationError as exc:
+            lines += _explain(exc, "", {}, prefix=f"plugins.{name}.").splitlines()[1:]
+    if lines:
+        raise ConfigError("invalid plugin config:\n" + "\n".join(lines))
+    return validated
+
+
+def plugin_section(sections: Mapping[str, Any], name: str, models: Mapping[str, type[BaseModel]]) -> Any:
+    """The validated section for `name`, or its model's defaults (or {}) when the config has none."""
+    if name in sections:
+        return sections[name]
+    model = models.get(name)
+    if model is None:
+        return {}
+    try:
+        return model.model_validate({})
+    except ValidationError as exc:
+        raise ConfigError("invalid plugin config:\n" + "\n".join(
+            _explain(exc, "", {}, prefix=f"plugins.{name}.").splitlines()[1:])) from None
+
+
+def _explain(exc: ValidationError, source: str, origins: Mapping[str, str], prefix: str = "") -> str:
     lines = [f"invalid {source}:"]
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        key = prefix + (".".join(str(p) for p in err["loc"]) or "<root>")
         # Say when the bad value came from an override, not the file: the user would search the file in vain.
-        origin = " [from an override]" if any(key == o or key.startswith(o + ".") for o in overridden) else ""
+        origin = next((f" [from {o}]" for k, o in origins.items() if key == k or key.startswith(k + ".")), "")
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key{origin}")
         else:

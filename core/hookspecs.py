@@ -13,13 +13,27 @@ component is actually used, so discovering plugins never imports torch kernels, 
 - requires: importable module names the component needs; a missing one makes it unavailable, with a reason.
 - check: `(context) -> list[str]`, reasons the component cannot serve this context (empty: it can).
 - meta: extra, kind-specific facts (e.g. `spec_type` for KV managers; `explicit_only=True` keeps a
-  component out of automatic selection, as for the `dummy` loader).
+  component out of automatic selection, as for the `dummy` loader; `override=True` replaces a component of
+  the same name registered earlier; `config_model=<pydantic model>` validates the config's
+  `plugins.<name>` section, errors naming `plugins.<name>.<key>`).
+
+Which process a hook fires in: the one where the event happens. With the offline `LLM`/`LLMEngine` that is
+the one process. Behind `pagedllm serve` the engine core runs in its own process (core_proc.py): the plugin
+is loaded in both, `step_stats` and the logits processors run in the engine-core process, while
+`engine_started`/`engine_stopped`, `request_added`, `request_finished` and `server_app_created` run in the
+API process. `config_loaded` fires in each process that builds from the config. A hook must not assume
+shared memory with the other process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: importing the hookspecs must stay torch-free
+    from pagedllm.config import EngineConfig
+    from pagedllm.request import Request
+    from pagedllm.sched.stats import SchedulerStats
 
 import pluggy
 
@@ -62,6 +76,48 @@ def register_models(register: Register) -> None:
 @hookspec
 def register_entrypoints(register: Register) -> None:
     """Register entrypoints (e.g. the `serve` app)."""
+
+
+@hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register named logits processors; the config's `logits_processors: [name, ...]` turns them on.
+
+    `load()` returns a class built once per engine as `cls(LogitsProcessorContext)` (pagedllm.sample.
+    logits_processor) whose `apply(logits, batch) -> logits` runs on each step's [B, V] float32 logits before
+    penalties and temperature. Pass `config_model=` to validate its `plugins.<name>` section.
+    """
+
+
+@hookspec
+def config_loaded(config: EngineConfig) -> None:
+    """The engine config was read and validated (plugin sections included), before anything is built.
+
+    Fires once per engine, in each process that builds one. Read your `config.plugins[<name>]` here; raise
+    to refuse the config (the error reaches the user as is). Do not mutate `config`.
+
+    :param config: the validated EngineConfig.
+    """
+
+
+@hookspec
+def request_added(request: Request) -> None:
+    """A request was handed to the engine core (after tokenization; once per sample when n > 1).
+
+    Fires in the process holding the frontend (LLMEngine or the server's AsyncLLM). Must be cheap: it runs
+    on the request's path.
+
+    :param request: the core `Request` (request_id, prompt_token_ids, sampling_params, priority).
+    """
+
+
+@hookspec
+def step_stats(stats: SchedulerStats, num_scheduled_tokens: int, num_requests: int) -> None:
+    """One engine step finished (fires in the engine-core process, after the scheduler applied the outputs).
+
+    :param stats: the scheduler's counters after the step (running, waiting, KV usage, preemptions...).
+    :param num_scheduled_tokens: tokens the step computed.
+    :param num_requests: requests the step scheduled.
+    """
 
 
 @hookspec

@@ -2,8 +2,17 @@
 
 Failure policy (STYLE.md): a plugin that fails to import or register is skipped with a warning and shown as
 broken by `pagedllm plugins`; when the config explicitly asks for one of its components, the selector raises
-with the plugin and distribution named. `PAGEDLLM_PLUGINS` (comma-separated entry-point or distribution
-names) is an allow-list for third-party plugins; pagedllm's own plugins always load.
+with the plugin and distribution named. A plugin whose `PAGEDLLM_PLUGIN_API` range excludes
+`pagedllm.PLUGIN_API_VERSION` is imported (to read the declaration) but never registered: it is skipped with
+a warning naming both versions and shown as "incompatible". `PAGEDLLM_PLUGINS` (comma-separated entry-point
+or distribution names) is an allow-list for third-party plugins; pagedllm's own plugins always load.
+
+Duplicate names (docs/plugins/README.md, "Name clashes"): plugins register in a fixed order — pagedllm's own
+first, then third-party entry points sorted by (distribution name, group, entry-point name), never by
+sys.path order — and the first registration of a (kind, name) keeps it. A later one must pass
+`override=True` to replace it; without it the later plugin is marked broken with both distributions named
+(its other components are withdrawn too, so a half-registered plugin never serves). Two overrides of one
+name: the later in that order wins.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from typing import Any
 
 import pluggy
 
-from pagedllm import hookspecs
+from pagedllm import PLUGIN_API_VERSION, hookspecs
+from pagedllm.plugin_api import incompatibility
 from pagedllm.plugin_spec import ComponentSpec, PluginKind, PluginLoadError
 
 ALLOWLIST_ENV = "PAGEDLLM_PLUGINS"
@@ -36,7 +46,7 @@ class PluginRecord:
     value: str
     distribution: str
     version: str
-    status: str  # "loaded", "broken", "blocked"
+    status: str  # "loaded", "broken", "blocked", "incompatible"
     error: str = ""
 
 
@@ -68,8 +78,10 @@ class PluginManager:
             allowed = _allowlist()
             for kind in PluginKind:
                 # NOTE: pagedllm's own plugins register first, whatever the sys.path order, so a third-party
-                # component reusing an in-tree name is the duplicate (it must pass override=True to replace).
-                eps = sorted(find(kind.entry_point_group), key=lambda ep: _dist_of(ep)[0] != OWN_DISTRIBUTION)
+                # component reusing an in-tree name is the duplicate (it must pass override=True to replace);
+                # third-party ones follow in name order, so which of two clashing plugins wins never depends
+                # on where pip put them.
+                eps = sorted(find(kind.entry_point_group), key=_load_order)
                 for ep in eps:
                     self._load_entry_point(kind, ep, allowed)
             self._pm.check_pending()
@@ -102,8 +114,31 @@ class PluginManager:
         return self._components[kind].get(name)
 
     def broken(self) -> list[PluginRecord]:
+        """Plugins that failed to import or register, or declare an incompatible plugin API."""
         self.discover()
-        return [r for r in self.records if r.status == "broken"]
+        return [r for r in self.records if r.status in ("broken", "incompatible")]
+
+    def config_models(self) -> dict[str, Any]:
+        """Component name -> the pydantic model its plugin registered for `plugins.<name>` (`config_model=`)."""
+        self.discover()
+        models: dict[str, Any] = {}
+        for kind in PluginKind:
+            for spec in self._components[kind].values():
+                model = spec.meta.get("config_model")
+                if model is not None:
+                    models.setdefault(spec.name, model)
+        return models
+
+    def load_config(self, config: Any) -> dict[str, Any]:
+        """Validate the config's plugin sections, then fire `config_loaded`; returns name -> validated section.
+
+        Called once per engine by whoever builds one (LLMEngine, the server's engine-core process).
+        """
+        from pagedllm.config import validate_plugin_sections
+
+        sections = validate_plugin_sections(config, self.config_models())
+        self.hook.config_loaded(config=config)
+        return sections
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -124,6 +159,17 @@ class PluginManager:
             return
         try:
             module = ep.load()
+            why = incompatibility(module, PLUGIN_API_VERSION)
+            if why is not None:
+                record.status = "incompatible"
+                record.error = why
+                warnings.warn(
+                    f"pagedllm plugin '{ep.name}' ({ep.value}) from distribution {dist_name} {version} is "
+                    f"skipped: it {why}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
             # One module may be listed under several groups (a package offering a scheduler and an attention
             # backend); pluggy takes each object once, and its hooks already cover every kind.
             if self._pm.is_registered(module):
@@ -230,6 +276,11 @@ def _dist_of(ep: Any) -> tuple[str, str]:
     if dist is None:
         return "?", ""
     return dist.metadata["Name"] or "?", dist.version or ""
+
+
+def _load_order(ep: Any) -> tuple[bool, str, str, str]:
+    dist = _dist_of(ep)[0]
+    return dist != OWN_DISTRIBUTION, _normalize(dist), str(ep.group), str(ep.name)
 
 
 def _plugin_name(record: PluginRecord) -> str:

@@ -17,6 +17,7 @@ class PluginKind(enum.StrEnum):
     QUANTIZATION = "quantization"
     MODEL = "model"
     ENTRYPOINT = "entrypoint"
+    LOGITS_PROCESSOR = "logits_processor"
 
     @property
     def hook_name(self) -> str:
@@ -35,6 +36,7 @@ _HOOKS = {
     PluginKind.QUANTIZATION: "register_quantization_methods",
     PluginKind.MODEL: "register_models",
     PluginKind.ENTRYPOINT: "register_entrypoints",
+    PluginKind.LOGITS_PROCESSOR: "register_logits_processors",
 }
 _GROUPS = {
     PluginKind.ATTENTION: "pagedllm.attention_backends",
@@ -44,6 +46,19 @@ _GROUPS = {
     PluginKind.QUANTIZATION: "pagedllm.quantization",
     PluginKind.MODEL: "pagedllm.models",
     PluginKind.ENTRYPOINT: "pagedllm.entrypoints",
+    PluginKind.LOGITS_PROCESSOR: "pagedllm.logits_processors",
+}
+# A light structural check at resolve time (STYLE.md failure policy): the names each kind's `load()` result
+# must carry, so a registration whose load() gives the wrong thing fails when resolved, naming its plugin and
+# distribution, instead of deep inside the engine. Models and quantization configs are checked by building.
+_REQUIRED: dict[PluginKind, tuple[str, ...]] = {
+    PluginKind.ATTENTION: ("kv_cache_shape", "build_metadata", "make_impl"),
+    PluginKind.SCHEDULER: ("add_request", "schedule", "update_from_output", "finish_requests",
+                           "has_unfinished_requests", "get_stats"),
+    PluginKind.LOADER: ("load_info", "load_weights"),
+    PluginKind.KV_MANAGER: ("allocate_new_blocks", "free", "get_blocks"),
+    PluginKind.LOGITS_PROCESSOR: ("apply",),
+    PluginKind.ENTRYPOINT: ("__call__",),
 }
 
 
@@ -87,13 +102,21 @@ class ComponentSpec:
     def resolve(self) -> Any:
         """Import and return the component; an import failure names the plugin and its distribution."""
         try:
-            return self.load()
+            obj = self.load()
         except Exception as exc:
             raise PluginLoadError(
                 f"{self.kind.value} '{self.name}' from plugin '{self.plugin}' "
                 f"(distribution {self.distribution or '?'} {self.version}) failed to load: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        missing = [attr for attr in _REQUIRED.get(self.kind, ()) if not hasattr(obj, attr)]
+        if missing:
+            raise PluginLoadError(
+                f"{self.kind.value} '{self.name}' from plugin '{self.plugin}' "
+                f"(distribution {self.distribution or '?'} {self.version}) loaded {obj!r}, which does not "
+                f"satisfy the {self.kind.value} protocol: missing {', '.join(missing)} (see docs/plugins/)"
+            )
+        return obj
 
 
 class PluginLoadError(RuntimeError):

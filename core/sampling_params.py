@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -33,6 +34,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     detokenize: bool = True
+    # Per-request arguments for logits processors and other plugins, keyed by plugin (vLLM's extra_args).
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

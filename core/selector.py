@@ -55,7 +55,11 @@ def select(
         spec = next((c for c in pool if c.name == requested), None)
         if spec is None:
             names = ", ".join(sorted(c.name for c in pool)) or "none"
-            raise SelectionError(f"no {kind.value} named '{requested}'; available: {names}{_broken_hint(pm, kind)}")
+            hint = _broken_hint(pm, kind) or (
+                f"; no installed plugin registers it (is the package that provides it installed? "
+                f"`pagedllm plugins` lists every {kind.value})"
+            )
+            raise SelectionError(f"no {kind.value} named '{requested}'; available: {names}{hint}")
         reasons = spec.reasons_against(context)
         if reasons:
             raise SelectionError(
@@ -92,6 +96,6 @@ def _broken_hint(pm: PluginManager, kind: PluginKind) -> str:
     """
     broken = [r for r in pm.broken() if r.group == kind.entry_point_group or kind.hook_name in r.error]
     return "".join(
-        f"; plugin '{r.name}' ({r.value}) from distribution {r.distribution} {r.version} is broken: {r.error}"
+        f"; plugin '{r.name}' ({r.value}) from distribution {r.distribution} {r.version} is {r.status}: {r.error}"
         for r in broken
     )

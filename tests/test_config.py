@@ -232,3 +232,89 @@ def test_config_show_with_a_bad_flag_value_is_a_usage_error(capsys: pytest.Captu
         main(["config", "show", "--max-num-seqs", "lots"])
     assert info.value.code == 2
     assert "--max-num-seqs" in capsys.readouterr().err
+
+
+# -- environment overrides, schema, validate, generated docs ------------------------------------------------
+
+
+def test_environment_overrides_sit_between_the_file_and_the_flags(tmp_path: Path) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("scheduler: {max_num_seqs: 8, max_num_batched_tokens: 512}\nseed: 1\n")
+    env = {"PAGEDLLM_SCHEDULER__MAX_NUM_SEQS": "4", "PAGEDLLM_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "256",
+           "PAGEDLLM_SEED": "5", "PAGEDLLM_PLUGINS": "a,b", "PAGEDLLM_LOG_LEVEL": "INFO",
+           "PAGEDLLM_PLUGINS__BAN_TOKENS__TOKEN_IDS": "[0, 1]"}
+    cfg = EngineConfig.from_file(path, {"scheduler.max_num_batched_tokens": 128}, env=env)
+    assert cfg.scheduler.max_num_seqs == 4  # env beats the file
+    assert cfg.scheduler.max_num_batched_tokens == 128  # the flag beats env
+    assert cfg.seed == 5
+    assert cfg.plugins == {"ban_tokens": {"token_ids": [0, 1]}}  # PAGEDLLM_PLUGINS itself is the allow-list
+
+
+def test_a_bad_environment_override_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({}, env={"PAGEDLLM_SCHEDULER__MAX_NUM_SEQ": "4", "PAGEDLLM_KV_CACHE__BLOCK_SIZE": "0"})
+    text = str(info.value)
+    assert "scheduler.max_num_seq: unknown key [from environment PAGEDLLM_SCHEDULER__MAX_NUM_SEQ]" in text
+    assert "kv_cache.block_size:" in text and "[from environment PAGEDLLM_KV_CACHE__BLOCK_SIZE]" in text
+
+
+def test_environment_reaches_the_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PAGEDLLM_SCHEDULER__MAX_NUM_SEQS", "3")
+    assert main(["config", "show"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["scheduler"]["max_num_seqs"] == 3
+    assert main(["config", "show", "--max-num-seqs", "9"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["scheduler"]["max_num_seqs"] == 9
+
+
+def test_config_show_explains_every_selection(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "--model", "/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "# attention_backend: torch (highest priority that passed its checks" in out
+    assert "# scheduler: fcfs (requested by config" in out
+    assert "# loader: cannot select: no usable loader for '/nonexistent'" in out
+
+
+def test_config_schema_is_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema == EngineConfig.model_json_schema()
+    assert "scheduler" in schema["properties"] and "logits_processors" in schema["properties"]
+
+
+def test_config_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("scheduler: {max_num_seqs: 4}\n")
+    assert main(["config", "validate", str(good)]) == 0
+    assert f"{good}: valid" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[scheduler]\nmax_num_seqs = 0\n")
+    assert main(["config", "validate", str(bad)]) == 2
+    assert "scheduler.max_num_seqs:" in capsys.readouterr().err
+
+
+def test_plugin_sections_are_validated_by_the_plugins_model() -> None:
+    from pydantic import BaseModel, ConfigDict
+
+    from pagedllm.config import validate_plugin_sections
+
+    class Section(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        alpha: float = 0.5
+
+    cfg = EngineConfig.from_dict({"plugins": {"mine": {"alpha": 0.9}}}, env={})
+    assert validate_plugin_sections(cfg, {"mine": Section})["mine"].alpha == 0.9
+    cfg = EngineConfig.from_dict({"plugins": {"mine": {"alpha": "x", "beta": 1}}}, env={})
+    with pytest.raises(ConfigError) as info:
+        validate_plugin_sections(cfg, {"mine": Section})
+    assert "plugins.mine.alpha:" in str(info.value) and "plugins.mine.beta: unknown key" in str(info.value)
+    with pytest.warns(RuntimeWarning, match="plugins.mine: no installed plugin declares it"):
+        validate_plugin_sections(cfg, {})
+
+
+def test_checked_in_configuration_md_is_current() -> None:
+    from pagedllm.cli.config_cmd import config_docs
+
+    checked_in = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert checked_in == config_docs(), "docs/configuration.md is stale: run `pagedllm config docs -o docs/configuration.md`"

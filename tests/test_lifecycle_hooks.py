@@ -47,3 +47,37 @@ def test_lifecycle_hooks_fire_in_order(tiny_root: Path) -> None:
     assert names == ["started", "finished", "finished", "stopped"]
     assert ("finished", ("a", "length")) in recorder.events
     assert ("finished", ("b", "abort")) in recorder.events
+
+
+class StepRecorder:
+    def __init__(self) -> None:
+        self.loaded: list[Any] = []
+        self.added: list[str] = []
+        self.steps: list[tuple[int, int, int]] = []
+
+    @hookimpl
+    def config_loaded(self, config: Any) -> None:
+        self.loaded.append(config)
+
+    @hookimpl
+    def request_added(self, request: Any) -> None:
+        self.added.append(request.request_id)
+
+    @hookimpl
+    def step_stats(self, stats: Any, num_scheduled_tokens: int, num_requests: int) -> None:
+        self.steps.append((stats.num_steps, num_scheduled_tokens, num_requests))
+
+
+def test_config_loaded_request_added_and_step_stats_fire(tiny_root: Path) -> None:
+    pm = PluginManager()
+    rec = StepRecorder()
+    pm.register(rec, name="steps", distribution="tests")
+    config = EngineConfig(model=make_tiny_model("llama", tiny_root), num_threads=1)
+    engine = LLMEngine(config, plugin_manager=pm)
+    assert rec.loaded == [config]
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True, n=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert rec.added == ["a#0", "a#1"]
+    assert [s[0] for s in rec.steps] == list(range(1, len(rec.steps) + 1))
+    assert rec.steps[0][1:] == (6, 2) and rec.steps[-1][1:] == (2, 2)

@@ -29,12 +29,19 @@ def _needs_hopper(ctx: AttentionSelectionContext) -> list[str]:
     return reasons
 
 
+class HopperBackend:
+    """Satisfies the backend protocol structurally (resolve() checks the names, never calls them)."""
+
+    name = "hopper"
+    kv_cache_shape = build_metadata = make_impl = staticmethod(lambda *a: None)
+
+
 class _FakeBackends:
     """Two kernel backends as a third-party plugin would register them, beside the in-tree `torch` one."""
 
     @hookimpl
     def register_attention_backends(self, register: Any) -> None:
-        register("hopper", lambda: "HopperBackend", priority=20, check=_needs_hopper)
+        register("hopper", lambda: HopperBackend, priority=20, check=_needs_hopper)
         register("needs_pkg", lambda: "PkgBackend", priority=10, requires=("surely_not_installed_pkg",))
 
 
@@ -66,7 +73,7 @@ def test_on_cpu_the_torch_backend_wins_and_each_loser_says_why(pm: PluginManager
 def test_on_hopper_the_highest_priority_capable_backend_wins(pm: PluginManager) -> None:
     selection = select(pm, PluginKind.ATTENTION, H100)
     assert selection.winner.name == "hopper" and selection.winner.distribution == "pagedllm-fake"
-    assert selection.load() == "HopperBackend"
+    assert selection.load() is HopperBackend
     reasons = _reasons(selection)
     assert reasons["torch"] == ["lower priority (0) than hopper (20)"]  # capable, just outranked
     assert reasons["needs_pkg"] == ["package providing 'surely_not_installed_pkg' is not installed"]
@@ -158,6 +165,17 @@ def test_a_winner_that_fails_to_import_names_its_plugin_and_distribution(pm: Plu
     with pytest.raises(PluginLoadError, match=r"'kern' from plugin 'pagedllm.attention_backends:kern' "
                                               r"\(distribution pagedllm-kern 1.2\) failed to load: ImportError"):
         selection.load()
+
+
+def test_a_winner_that_does_not_satisfy_the_protocol_names_what_is_missing(pm: PluginManager) -> None:
+    spec = ComponentSpec(PluginKind.ATTENTION, "wrong", lambda: "not a backend", plugin="pagedllm.attention_backends:wrong",
+                         distribution="pagedllm-wrong", version="0.3")
+    selection = select(pm, PluginKind.ATTENTION, CPU, candidates=[spec])
+    with pytest.raises(PluginLoadError) as info:
+        selection.load()
+    message = str(info.value)
+    assert "'wrong' from plugin 'pagedllm.attention_backends:wrong' (distribution pagedllm-wrong 0.3)" in message
+    assert "does not satisfy the attention_backend protocol: missing kv_cache_shape, build_metadata, make_impl" in message
 
 
 @pytest.mark.parametrize("requested", ["flashy", "flash_attn"])

@@ -76,6 +76,8 @@ class AsyncLLM:
 
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
+        # Validated here too, so a bad plugin section fails before the engine-core process is spawned.
+        self.pm.load_config(config)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL_ALIAS
         model_ref = resolve_model_reference(config.model)
         # The same loader plugin the core uses, but only for config and tokenizer: no weights here.
@@ -217,9 +219,9 @@ class AsyncLLM:
         eos = min(eos_ids) if eos_ids else None
         try:
             for core_id, child in samples:
-                self.client.add_request(
-                    Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority, eos_token_id=eos)
-                )
+                request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority, eos_token_id=eos)
+                self._notify_added(request)
+                self.client.add_request(request)
         except EngineDeadError:
             self._streams.pop(request_id, None)
             self.processor.abort(request_id)
@@ -282,6 +284,12 @@ class AsyncLLM:
             stream.queue.put_nowait(EngineDeadError(f"the engine core died: {reason}"))
             self.processor.abort(rid)
         self._streams.clear()
+
+    def _notify_added(self, request: Request) -> None:
+        try:
+            self.pm.hook.request_added(request=request)
+        except Exception:  # a plugin's hook must never break serving
+            logger.exception("request_added hook failed")
 
     def _notify_finished(self, out: RequestOutput) -> None:
         try:

@@ -78,8 +78,13 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.builder import build_engine
     from pagedllm.engine.engine_core import EngineCore
+    from pagedllm.plugin_manager import get_plugin_manager
 
-    parts = build_engine(EngineConfig.model_validate(config_dict))
+    # This process loads the plugins afresh: config_loaded, step_stats and logits processors run here.
+    pm = get_plugin_manager()
+    config = EngineConfig.model_validate(config_dict)
+    sections = pm.load_config(config)
+    parts = build_engine(config, pm)
     info = parts.info
     eos = set(info.eos_token_ids)
     tok_eos = getattr(info.tokenizer, "eos_token_id", None)
@@ -94,7 +99,7 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
         num_blocks=parts.num_blocks,
         block_size=parts.block_size,
     )
-    return EngineCore(parts), ready
+    return EngineCore(parts, pm, sections), ready
 
 
 class EngineCoreLoop:

@@ -2,26 +2,68 @@
 
 It takes `Request`s and gives back `EngineCoreOutput`s (token ids, finish reasons), so the same core can run
 in-process (offline `LLM`) or behind a socket in its own process (the server), as in vLLM V1.
+
+Plugins that act on steps live here, so they run wherever the core runs: the configured logits processors
+(built once, handed to the runner's sampler) and the `step_stats` hook.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
+from pagedllm.config import plugin_section, validate_plugin_sections
 from pagedllm.engine.builder import EngineParts
 from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.plugin_manager import PluginManager, get_plugin_manager
+from pagedllm.plugin_spec import PluginKind
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sample.logits_processor import LogitsProcessor, LogitsProcessorContext
 from pagedllm.sched.stats import SchedulerStats
+from pagedllm.selector import select
 
 logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
-    def __init__(self, parts: EngineParts) -> None:
+    def __init__(
+        self,
+        parts: EngineParts,
+        plugin_manager: PluginManager | None = None,
+        plugin_sections: Mapping[str, Any] | None = None,
+    ) -> None:
+        """:param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config);
+        validated here when not given."""
         self.parts = parts
+        self.pm = plugin_manager or get_plugin_manager()
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self._errors: list[EngineCoreOutput] = []
+        models = self.pm.config_models()
+        sections = plugin_sections if plugin_sections is not None else validate_plugin_sections(parts.config, models)
+        self.logits_processors = self._build_logits_processors(sections, models)
+        # NOTE: the runner's sampler is the one call site of the processors; setting it here keeps the
+        # runner unaware of plugins (and leaves it untouched when the config names none).
+        sampler = getattr(self.runner, "sampler", None)
+        if sampler is not None and self.logits_processors:
+            sampler.logits_processors = self.logits_processors
+        self._step_hook = self.pm.hook.step_stats
+
+    def _build_logits_processors(
+        self, sections: Mapping[str, Any], models: Mapping[str, Any]
+    ) -> list[LogitsProcessor]:
+        processors: list[LogitsProcessor] = []
+        for name in self.parts.config.logits_processors:
+            # Named in the config = requested explicitly: unknown, broken or incompatible fails loudly.
+            selection = select(self.pm, PluginKind.LOGITS_PROCESSOR, None, requested=name)
+            self.parts.selections[f"logits_processor[{name}]"] = selection
+            ctx = LogitsProcessorContext(
+                name, plugin_section(sections, name, models), int(self.parts.info.hf_config.vocab_size),
+                self.parts.device,
+            )
+            processors.append(selection.load()(ctx))
+        return processors
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one that can never run is failed alone (reported by the next step)."""
@@ -60,6 +102,12 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        if self._step_hook.get_hookimpls():  # stats cost a little: only gather them for a listener
+            self._step_hook(
+                stats=self.scheduler.get_stats(),
+                num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+                num_requests=len(scheduler_output.num_scheduled_tokens),
+            )
         return outputs
 
     def get_stats(self) -> SchedulerStats:

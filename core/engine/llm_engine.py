@@ -25,8 +25,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugin_manager: PluginManager | None = None) -> None:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
+        # Plugin sections are validated (and `config_loaded` fires) before anything heavy is built.
+        sections = self.pm.load_config(config)
         self.parts: EngineParts = build_engine(config, self.pm)
-        self.core = EngineCore(self.parts)
+        self.core = EngineCore(self.parts, self.pm, sections)
         self.tokenizer = self.parts.info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_ids()
@@ -107,10 +109,10 @@ class LLMEngine:
             samples.append((core_id, child))
         self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
         for core_id, child in samples:
-            self.core.add_request(
-                Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
-                        eos_token_id=next(iter(self.eos_token_ids), None))
-            )
+            request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
+                              eos_token_id=next(iter(self.eos_token_ids), None))
+            self.pm.hook.request_added(request=request)
+            self.core.add_request(request)
 
     def step(self) -> list[RequestOutput]:
         outputs, to_abort = self.processor.process(self.core.step())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.sample.logits_processor import LogitsBatch
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -55,6 +56,9 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
 
     vocab_size: int
+
+    # The rows' params and token lists (references, no copies) for logits processors.
+    logits_batch: LogitsBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -164,6 +168,7 @@ class SamplingMetadata:
             max_num_logprobs=max(wanted) if wanted else None,
             min_tokens_mask=min_tokens_mask,
             vocab_size=vocab_size,
+            logits_batch=LogitsBatch(list(params), output_token_ids, prompt_token_ids),
         )
 
 

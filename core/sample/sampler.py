@@ -4,6 +4,7 @@ Order of operations (as vLLM V1):
 
     raw logits ──► logprobs (log_softmax, only if some row asked)           reported to the user
         │
+        ├─ logits processors (plugins named in the config's `logits_processors`, in that order)
         ├─ min_tokens: stop ids -> -inf for rows below min_tokens
         ├─ penalties:  repetition (prompt+output), frequency + presence (output)
         │
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.messages import LogprobsEntry
+from pagedllm.sample.logits_processor import LogitsProcessor, apply_logits_processors
 from pagedllm.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -61,7 +63,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: everything per-request lives in SamplingMetadata (generators carry the seeded state)."""
+    """Stateless: everything per-request lives in SamplingMetadata (generators carry the seeded state).
+
+    `logits_processors` are the engine's configured processors (set once by the EngineCore after building;
+    empty by default, which costs nothing).
+    """
+
+    def __init__(self, logits_processors: list[LogitsProcessor] | None = None) -> None:
+        self.logits_processors: list[LogitsProcessor] = list(logits_processors or [])
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V] (float32). `logits` itself is not modified."""
@@ -69,6 +78,9 @@ class Sampler:
         # Logprobs describe the model's own distribution, before any penalty or filter (vLLM's default).
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
 
+        if self.logits_processors:
+            # A copy, so processors may edit in place while the caller's logits stay untouched.
+            logits = apply_logits_processors(logits.clone(), self.logits_processors, metadata.logits_batch)
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
         sampled = self.sample(logits, metadata)

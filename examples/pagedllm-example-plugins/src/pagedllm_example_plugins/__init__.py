@@ -1,0 +1,1 @@
+"""Example pagedllm plugins. The entry points name `registration`, which imports nothing heavy."""
