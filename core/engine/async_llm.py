@@ -28,6 +28,13 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.input_processing import (
+    PromptType,
+    RequestValidationError,
+    complete_params,
+    fan_out,
+    tokenize_prompt,
+)
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.serialization import Outputs, Ready
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -38,21 +45,12 @@ from pagedllm.sched.stats import SchedulerStats
 
 logger = logging.getLogger("pagedllm")
 
-PromptType = str | list[int] | dict[str, Any]
 
 __all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestValidationError"]
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (`scheduler.max_waiting`); retry later."""
-
-
-class RequestValidationError(ValueError):
-    """A request the engine will not run; `param` names the offending parameter (OpenAI's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -132,20 +130,7 @@ class AsyncLLM:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for a string, a list of ids or {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestValidationError("this model has no tokenizer: send token ids", "prompt")
-            try:
-                return prompt, list(self.tokenizer(prompt).input_ids)
-            except Exception as exc:  # e.g. lone surrogates a JSON body can carry but no tokenizer takes
-                raise RequestValidationError(f"the prompt could not be tokenized: {exc}", "prompt") from exc
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise RequestValidationError(f"unsupported prompt type {type(prompt).__name__}", "prompt")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
@@ -199,13 +184,9 @@ class AsyncLLM:
         bound = self.config.scheduler.max_waiting
         if bound is not None and self.num_unfinished_sequences + params.n > self.config.scheduler.max_num_seqs + bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests waiting); retry later")
-        params = params.clone()
         _, prompt_ids = self.tokenize(prompt)
         self._validate(prompt_ids, params, prompt_param)
-        if params.max_tokens is None:
-            params.max_tokens = max(1, self.max_model_len - len(prompt_ids))
-        eos_ids = set(self.ready.eos_token_ids)
-        params._all_stop_token_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else eos_ids)
+        params = complete_params(params, len(prompt_ids), self.max_model_len, set(self.ready.eos_token_ids))
         prompt_text = prompt if isinstance(prompt, str) else None
         arrival = time.monotonic()
         samples = fan_out(request_id, params)
@@ -216,7 +197,7 @@ class AsyncLLM:
         stream.sent_logprobs = [0] * len(samples)
         stream.reported_finish = [False] * len(samples)
         self._streams[request_id] = stream
-        eos = min(eos_ids) if eos_ids else None
+        eos = min(self.ready.eos_token_ids) if self.ready.eos_token_ids else None
         try:
             for core_id, child in samples:
                 request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority, eos_token_id=eos)
@@ -327,18 +308,3 @@ class AsyncLLM:
         )
 
 
-def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """(engine-core id, params) per sample: n > 1 becomes n sequences sharing the prompt's cached blocks.
-
-    Mirrors LLMEngine.add_request's fan-out (the lead may move both onto this one function).
-    """
-    if params.n == 1:
-        return [(request_id, params)]
-    samples = []
-    for i in range(params.n):
-        child = params.clone()
-        child.n = 1
-        if params.seed is not None:
-            child.seed = params.seed + i  # distinct but reproducible streams
-        samples.append((f"{request_id}#{i}", child))
-    return samples

@@ -11,14 +11,13 @@ from typing import Any
 from pagedllm.config import EngineConfig, flat_overrides
 from pagedllm.engine.builder import EngineParts, build_engine
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processing import PromptType, complete_params, fan_out, tokenize_prompt
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
@@ -61,20 +60,7 @@ class LLMEngine:
         return ids
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}: use str, list[int] or a dict")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(
         self,
@@ -88,25 +74,10 @@ class LLMEngine:
         context) are accepted and then finish with finish_reason "error" and a message, alone."""
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = (params or SamplingParams()).clone()
         prompt_text, prompt_ids = self.tokenize(prompt)
-        if params.max_tokens is None:
-            params.max_tokens = max(1, self.max_model_len - len(prompt_ids))
-        stop_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        params._all_stop_token_ids = stop_ids
+        params = complete_params(params, len(prompt_ids), self.max_model_len, self.eos_token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        samples = []
-        for i in range(params.n):
-            child = params if params.n == 1 else params.clone()
-            if params.n > 1:
-                # Children share the prompt's KV blocks through the prefix cache; each needs its own stream.
-                child.n = 1
-                if params.seed is not None:
-                    child.seed = params.seed + i
-            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            samples.append((core_id, child))
+        samples = fan_out(request_id, params)
         self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
         for core_id, child in samples:
             request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
