@@ -74,6 +74,10 @@ class EngineConfig(_Section):
     seed: int = Field(0, description="engine seed (dummy weights, unseeded sampling)")
     max_model_len: int | None = Field(None, ge=1, description="context length cap; None = the model's")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs (decode runs eagerly)")
+    cuda_graph_sizes: list[int] | None = Field(
+        None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"
+    )
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     kv_cache: KVCacheConfigSection = Field(default_factory=KVCacheConfigSection)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

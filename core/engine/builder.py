@@ -8,7 +8,9 @@ Each choice is kept as a `Selection`, so `pagedllm config show` can say what was
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,8 @@ from pagedllm.protocols.model import ModelBuildContext
 from pagedllm.sched.base import SchedulerContext
 from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.selector import Selection, SelectionError, select
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.cuda_graphs import GPURunnerOptions
+from pagedllm.worker.model_runner import ModelRunner, profile_activation_bytes
 
 logger = logging.getLogger("pagedllm")
 
@@ -118,11 +121,22 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     checkpoint_quant = (info.quantization_config or {}).get("quant_method")
     quant_name = config.quantization.method or checkpoint_quant or "none"
     quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"
-    selections["quantization"] = select(
-        pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
-    )
+    try:
+        selections["quantization"] = select(
+            pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
+        )
+    except SelectionError as exc:
+        # A checkpoint its loader can also serve dense (GGUF, dequantized at load) runs unquantized when its
+        # method is unavailable; a method asked for in the config still fails loudly.
+        if quant_source != "the checkpoint" or not (info.quantization_config or {}).get("dense_fallback"):
+            raise
+        logger.warning("%s; loading the weights dequantized instead", exc)
+        quant_name = "none"
+        selections["quantization"] = select(pm, PluginKind.QUANTIZATION, None, requested="none")
     quant_cls = selections["quantization"].load()
-    quant_config = None if quant_name == "none" else quant_cls.from_config(info.quantization_config or {})
+    # Options: the checkpoint's quantization_config, overridden by the config's `plugins.<method>` section.
+    quant_options = {**(info.quantization_config or {}), **config.plugins.get(quant_name, {})}
+    quant_config = None if quant_name == "none" else quant_cls.from_config(quant_options)
 
     ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size)
     model = _build_model(model_cls, ctx)
@@ -137,7 +151,9 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
         selections[key] = _select_kv_manager(pm, group.spec)
         factories.append(selections[key].load())
 
-    num_blocks = _num_blocks(config, specs, device)
+    num_blocks = _num_blocks(config, specs, device, lambda: profile_activation_bytes(
+        model, backend, specs, block_size, config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs, device))
     model_max = config.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 2048
     # A request alone must always fit in the cache, or it could wait forever.
     max_model_len = min(model_max, (num_blocks - 1) * block_size)
@@ -164,7 +180,16 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
         )
     )
     vocab_size = hf_config.vocab_size
-    runner = ModelRunner(model, backend, kv_caches, block_size, device, vocab_size)
+    options = GPURunnerOptions(
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_tokens=config.scheduler.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        cuda_graphs=not config.enforce_eager,
+        graph_batch_sizes=tuple(config.cuda_graph_sizes) if config.cuda_graph_sizes else None,
+    )
+    runner = ModelRunner(model, backend, kv_caches, block_size, device, vocab_size, options)
+    if device.type == "cuda" and options.cuda_graphs:
+        runner.capture_cuda_graphs()
     parts = EngineParts(
         config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
         device, dtype, selections, time.perf_counter() - t0,
@@ -202,16 +227,33 @@ def _group_specs(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
     return [KVCacheGroup(spec, layers) for spec, layers in groups.items()]
 
 
-def _num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.device) -> int:
+def _num_blocks(
+    config: EngineConfig, specs: list[KVCacheSpec], device: torch.device, profile: Callable[[], int] | None = None
+) -> int:
+    """KV blocks from the config: forced, a CPU budget in GiB, or what a GPU has left after a profiling run.
+
+    GPU accounting (vLLM's): the engine may use utilization x total memory; of that, what is already in use
+    (weights, CUDA context, other processes: total - free) and the peak activations of the largest step
+    (`profile`, run once with a throw-away cache) are not available to the KV cache.
+    """
     if config.kv_cache.num_blocks:
         return config.kv_cache.num_blocks
     bytes_per_block = sum(s.page_size_bytes for s in specs)
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = free * config.kv_cache.gpu_memory_utilization
-    else:
-        budget = config.kv_cache.memory_gb * (1 << 30)
-    return max(2, int(budget // bytes_per_block))
+        activations = profile() if profile is not None else 0
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.kv_cache.gpu_memory_utilization - (total - free) - activations
+        num_blocks = max(2, int(budget // bytes_per_block))
+        block_size = specs[0].block_size if specs else config.kv_cache.block_size
+        print(
+            f"pagedllm: KV cache {num_blocks} blocks = {num_blocks * block_size:,} tokens "
+            f"({num_blocks * bytes_per_block / (1 << 30):.1f} GiB; in use {(total - free) / (1 << 30):.1f} GiB, "
+            f"activation peak {activations / (1 << 30):.2f} GiB, of {total / (1 << 30):.1f} GiB)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return num_blocks
+    return max(2, int(config.kv_cache.memory_gb * (1 << 30) // bytes_per_block))
 
 
 def _build_model(model_cls: Any, ctx: ModelBuildContext) -> Any:

@@ -37,16 +37,34 @@ class StepInputs:
     logits_indices: torch.Tensor  # [B] int64: row of each request's last scheduled token
 
 
-def prepare_inputs(
+@dataclass
+class HostInputs:
+    """One step's inputs as host arrays (numpy), before they go to the device; shapes as in StepInputs."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    query_start_loc: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_table: np.ndarray  # [B, max_blocks] int32, 0-padded
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    num_decodes: int
+
+
+def plan_inputs(
     token_ids: list[list[int]],
     num_computed: list[int],
     num_scheduled: list[int],
     block_ids: list[list[int]],
     block_size: int,
-    device: torch.device,
     num_decodes: int,
-) -> StepInputs:
-    """Build input ids, positions, slot mapping, block table and the common attention metadata.
+) -> HostInputs:
+    """Compute input ids, positions, slot mapping, block table and offsets on the host (no torch, no device).
 
     Requests must be ordered decodes first: the leading `num_decodes` requests schedule exactly one token.
     Raises ValueError when a request's scheduled tokens are not all known or its blocks cannot hold them.
@@ -87,33 +105,64 @@ def prepare_inputs(
     slot_mapping = block_table[req_of_row, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size
     )
-    logits_indices = query_start_loc[1:] - 1
-
-    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        # From pageable host memory CUDA stages the copy before returning, so the numpy buffers may go away.
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
-
-    qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-    seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-    attn = CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device, non_blocking=True),
-        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
-        block_table=to_device(block_table, torch.int32),
-        slot_mapping=to_device(slot_mapping, torch.int64),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens_cpu=seq_lens_cpu,
+    return HostInputs(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        logits_indices=query_start_loc[1:] - 1,
         num_reqs=num_reqs,
-        num_actual_tokens=num_tokens,
+        num_tokens=num_tokens,
         max_query_len=int(scheduled.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
         block_size=block_size,
         num_decodes=num_decodes,
     )
+
+
+def prepare_inputs(
+    token_ids: list[list[int]],
+    num_computed: list[int],
+    num_scheduled: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    num_decodes: int,
+) -> StepInputs:
+    """`plan_inputs`, then fresh device tensors (the CPU path; the GPU runner copies into persistent buffers).
+
+    Requests must be ordered decodes first: the leading `num_decodes` requests schedule exactly one token.
+    Raises ValueError when a request's scheduled tokens are not all known or its blocks cannot hold them.
+    """
+    host = plan_inputs(token_ids, num_computed, num_scheduled, block_ids, block_size, num_decodes)
+
+    def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        # From pageable host memory CUDA stages the copy before returning, so the numpy buffers may go away.
+        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+    qsl_cpu = torch.from_numpy(host.query_start_loc)
+    seq_lens_cpu = torch.from_numpy(host.seq_lens)
+    attn = CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        block_table=to_device(host.block_table, torch.int32),
+        slot_mapping=to_device(host.slot_mapping, torch.int64),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+        num_reqs=host.num_reqs,
+        num_actual_tokens=host.num_tokens,
+        max_query_len=host.max_query_len,
+        max_seq_len=host.max_seq_len,
+        block_size=block_size,
+        num_decodes=num_decodes,
+    )
     return StepInputs(
-        input_ids=to_device(input_ids, torch.int64),
-        positions=to_device(positions, torch.int64),
+        input_ids=to_device(host.input_ids, torch.int64),
+        positions=to_device(host.positions, torch.int64),
         attn=attn,
-        logits_indices=to_device(logits_indices, torch.int64),
+        logits_indices=to_device(host.logits_indices, torch.int64),
     )
 
 

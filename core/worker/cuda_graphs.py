@@ -1,0 +1,226 @@
+"""The GPU fast path of the model runner: persistent step buffers and CUDA graphs of decode steps.
+
+Step buffers (NOTE 1). Every step's inputs are written into the same device tensors, sized once for the
+largest step: the host fills pinned mirrors, then one non-blocking copy per tensor moves the used prefix.
+A CUDA graph replays fixed addresses, so these buffers are also the graphs' inputs.
+Before the host rewrites the pinned mirrors it waits on an event recorded after the previous step's copies:
+a step that samples nothing (a non-final prefill chunk) ends without a sync, and the DMA of its inputs may
+still be queued behind the step before it.
+
+Decode graphs (NOTE 2). A decode-only step of B requests is padded to the next captured size P of a ladder
+(graph_ladder: 1, 2, 4, 8, 16, ..., 64, 96, ... up to max_num_seqs) and replays the graph captured for P. The P - B padding
+rows are harmless by construction:
+
+    padding row r:  input id 0, position 0, its own request with query_start_loc r..r+1, seq_len 1,
+                    block table row [0, ...] (the null block) and slot_mapping 0 (slot 0 of the null block)
+
+so each writes garbage K/V into the null block -- which no real request reads, block 0 is never allocated
+-- and attends over that one slot: finite values in rows nobody samples. Only backends that declare
+`supports_cuda_graphs` (their metadata holds no host-planned tensors) are captured; others run eagerly.
+
+Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.protocols.attention import CommonAttentionMetadata
+from pagedllm.worker.input_prep import HostInputs, StepInputs
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass(frozen=True)
+class GPURunnerOptions:
+    """What the GPU path needs to size its buffers and graphs (from EngineConfig, via the builder)."""
+
+    max_num_seqs: int = 256
+    max_num_tokens: int = 8192
+    max_model_len: int = 8192
+    cuda_graphs: bool = True  # the builder calls ModelRunner.capture_cuda_graphs() when set (enforce_eager off)
+    graph_batch_sizes: tuple[int, ...] | None = None  # None: graph_ladder(max_num_seqs)
+
+
+def graph_ladder(max_num_seqs: int) -> list[int]:
+    """Padded decode batch sizes: 1, 2, 4, then every 8 up to 64, then every 32 up to max_num_seqs.
+
+    Fewer sizes capture faster (start-up); coarser steps waste padded rows, which cost little at large
+    batches where a decode step streams the weights once whatever the row count.
+    """
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += list(range(8, min(64, max_num_seqs) + 1, 8))
+    sizes += list(range(96, max_num_seqs + 1, 32))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def padded_size(sizes: list[int], num_reqs: int) -> int | None:
+    """The smallest captured size holding num_reqs, or None when the batch is larger than every graph."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StepBuffers:
+    """Persistent device tensors for one step's inputs, with pinned host mirrors (NOTE 1)."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.device = device
+        pin = device.type == "cuda"
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.input_ids, self.input_ids_h = pair((max_tokens,), torch.int64)
+        self.positions, self.positions_h = pair((max_tokens,), torch.int64)
+        self.slot_mapping, self.slot_mapping_h = pair((max_tokens,), torch.int64)
+        self.query_start_loc, self.query_start_loc_h = pair((max_reqs + 1,), torch.int32)
+        self.seq_lens, self.seq_lens_h = pair((max_reqs,), torch.int32)
+        self.block_table, self.block_table_h = pair((max_reqs, max_blocks), torch.int32)
+        self.logits_indices, self.logits_indices_h = pair((max_reqs,), torch.int64)
+        self._copied = torch.cuda.Event() if pin else None  # the last load()'s copies have read the mirrors
+
+    def fits(self, host: HostInputs, pad_to: int | None = None) -> bool:
+        reqs = pad_to or host.num_reqs
+        tokens = host.num_tokens + (reqs - host.num_reqs)
+        return tokens <= self.max_tokens and reqs <= self.max_reqs and host.block_table.shape[1] <= self.max_blocks
+
+    def load(self, host: HostInputs, pad_to: int | None = None) -> StepInputs:
+        """Copy `host` into the buffers (padded to `pad_to` decode requests, NOTE 2) and return views of them."""
+        n, t, width = host.num_reqs, host.num_tokens, host.block_table.shape[1]
+        reqs = pad_to or n
+        tokens = t + (reqs - n)  # each padding request is one decode token
+        pad = reqs - n
+        if self._copied is not None:
+            self._copied.synchronize()
+        np_ids = self.input_ids_h.numpy()
+        np_pos = self.positions_h.numpy()
+        np_slots = self.slot_mapping_h.numpy()
+        np_qsl = self.query_start_loc_h.numpy()
+        np_lens = self.seq_lens_h.numpy()
+        np_bt = self.block_table_h.numpy()
+        np_logits = self.logits_indices_h.numpy()
+        np_ids[:t] = host.input_ids
+        np_pos[:t] = host.positions
+        np_slots[:t] = host.slot_mapping
+        np_qsl[: n + 1] = host.query_start_loc
+        np_lens[:n] = host.seq_lens
+        np_bt[:n, :width] = host.block_table
+        np_logits[:n] = host.logits_indices
+        if pad:
+            np_ids[t:tokens] = 0
+            np_pos[t:tokens] = 0
+            np_slots[t:tokens] = 0  # slot 0 of the null block: a scratch slot no request reads
+            np_qsl[n + 1 : reqs + 1] = np.arange(t + 1, tokens + 1)
+            np_lens[n:reqs] = 1
+            np_bt[n:reqs, 0] = 0
+            np_logits[n:reqs] = np.arange(t, tokens)
+        # Graph replays read the full-width block table view; stale columns past `width` are never read
+        # (keys stop at seq_len), so only the used columns are copied.
+        self._copy(self.input_ids, self.input_ids_h, tokens)
+        self._copy(self.positions, self.positions_h, tokens)
+        self._copy(self.slot_mapping, self.slot_mapping_h, tokens)
+        self._copy(self.query_start_loc, self.query_start_loc_h, reqs + 1)
+        self._copy(self.seq_lens, self.seq_lens_h, reqs)
+        self._copy(self.logits_indices, self.logits_indices_h, reqs)
+        self.block_table[:reqs, :width].copy_(self.block_table_h[:reqs, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.views(host, reqs, tokens)
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, n: int) -> None:
+        dst[:n].copy_(src[:n], non_blocking=True)
+
+    def views(self, host: HostInputs, reqs: int, tokens: int) -> StepInputs:
+        """StepInputs over the first reqs/tokens of the buffers (the block table at full width)."""
+        attn = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: reqs + 1],
+            seq_lens=self.seq_lens[:reqs],
+            block_table=self.block_table[:reqs],
+            slot_mapping=self.slot_mapping[:tokens],
+            # The host copies are views of the pinned mirrors: valid until the next step's load().
+            query_start_loc_cpu=self.query_start_loc_h[: reqs + 1],
+            seq_lens_cpu=self.seq_lens_h[:reqs],
+            num_reqs=reqs,
+            num_actual_tokens=tokens,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+            block_size=host.block_size,
+            num_decodes=host.num_decodes + (reqs - host.num_reqs),
+        )
+        return StepInputs(
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
+            attn=attn,
+            logits_indices=self.logits_indices[:reqs],
+        )
+
+
+class DecodeGraphs:
+    """CUDA graphs of the model forward for decode-only batches, one per padded size (NOTE 2)."""
+
+    def __init__(self, model: Any, backend: Any, kv_caches: list[torch.Tensor], buffers: StepBuffers) -> None:
+        self.model, self.backend, self.kv_caches, self.buffers = model, backend, kv_caches, buffers
+        self.sizes: list[int] = []
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None
+
+    def capture(self, sizes: list[int], block_size: int) -> None:
+        """Warm up and capture each size, largest first, in one shared memory pool."""
+        sizes = sorted(s for s in sizes if s <= self.buffers.max_reqs)
+        self._pool = torch.cuda.graph_pool_handle()
+        for size in reversed(sizes):
+            host = _dummy_decode(size, block_size)
+            inputs = self.buffers.load(host)
+            metadata = self.backend.build_metadata(inputs.attn)
+            # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
+            self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+            self._graphs[size] = (graph, hidden)
+        torch.cuda.synchronize()
+        self.sizes = sizes
+        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+
+    def run(self, host: HostInputs) -> tuple[StepInputs, torch.Tensor] | None:
+        """Replay the graph for this decode-only step (padded), or None when no graph fits it."""
+        if host.num_decodes != host.num_reqs:
+            return None
+        size = padded_size(self.sizes, host.num_reqs)
+        if size is None or not self.buffers.fits(host, size):
+            return None
+        inputs = self.buffers.load(host, pad_to=size)
+        graph, hidden = self._graphs[size]
+        graph.replay()
+        return inputs, hidden
+
+
+def _dummy_decode(num_reqs: int, block_size: int) -> HostInputs:
+    """A decode batch of num_reqs one-token requests on the null block (what padding rows look like)."""
+    zeros = np.zeros(num_reqs, dtype=np.int64)
+    return HostInputs(
+        input_ids=zeros,
+        positions=zeros,
+        query_start_loc=np.arange(num_reqs + 1, dtype=np.int32),
+        seq_lens=np.ones(num_reqs, dtype=np.int32),
+        block_table=np.zeros((num_reqs, 1), dtype=np.int32),
+        slot_mapping=zeros,
+        logits_indices=np.arange(num_reqs, dtype=np.int64),
+        num_reqs=num_reqs,
+        num_tokens=num_reqs,
+        max_query_len=1,
+        max_seq_len=1,
+        block_size=block_size,
+        num_decodes=num_reqs,
+    )

@@ -1,0 +1,43 @@
+"""Registers the `triton` attention backend: Triton paged-attention kernels for NVIDIA GPUs.
+
+Light module: no triton or torch import here. The backend wins over `torch` wherever its check passes:
+on CUDA, or on the CPU only under TRITON_INTERPRET=1 (the interpreter the CPU tests use) -- a normal CPU
+run never picks a kernel the interpreter would run a thousand times slower than torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pagedllm import hookimpl
+
+
+def _load() -> Any:
+    from pagedllm.plugins.attention.triton_backend import TritonBackend
+
+    return TritonBackend
+
+
+def _check(ctx: Any) -> list[str]:
+    reasons = []
+    if ctx.device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        reasons.append(f"device {ctx.device_type}: needs cuda (or TRITON_INTERPRET=1 for the interpreter)")
+    if ctx.device_type == "cuda" and ctx.compute_capability is not None and ctx.compute_capability < (8, 0):
+        reasons.append(f"compute capability {ctx.compute_capability} < 8.0 (bf16 tensor-core dots)")
+    if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
+        reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (only the model dtype)")
+    if ctx.dtype not in ("float32", "float16", "bfloat16"):
+        reasons.append(f"dtype {ctx.dtype} not supported")
+    if ctx.head_size > 256:
+        reasons.append(f"head size {ctx.head_size} > 256")
+    return reasons
+
+
+@hookimpl
+def register_attention_backends(register: Any) -> None:
+    # Above torch (0): on a GPU the kernel is the fast path.
+    register(
+        "triton", _load, priority=50, requires=("triton",), check=_check,
+        description="Triton paged attention (unified prefill+decode, split-KV decode)",
+    )

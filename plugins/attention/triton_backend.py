@@ -1,0 +1,130 @@
+"""The `triton` attention backend: the torch backend's cache layout, written and read by Triton kernels.
+
+Per step `build_metadata` only decides the split-KV plan; everything else the kernels need is already in
+the common metadata (query_start_loc, seq_lens, block_table, slot_mapping), on the device. Nothing here
+reads a device tensor back to the host, so a decode step can be captured in a CUDA graph.
+
+Split-KV policy (NOTE 1): a decode-only batch of B requests over H_kv KV heads runs B * H_kv programs; when
+that is well under what the GPU holds at once, each context is cut into S segments (S a power of two,
+at most 16) and merged by a second small kernel. The choice depends only on B and H_kv -- never on context
+lengths -- so a graph captured for a padded batch size stays valid for every later step of that size.
+Prefill-carrying batches have enough query blocks and never split.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagedllm.protocols.attention import AttentionLayerConfig, CommonAttentionMetadata
+
+# Programs we want in flight for one decode launch, per SM (NOTE 1). Tuned on the H200 by h200_check.py.
+_PROGRAMS_PER_SM = 8
+_MAX_SEGMENTS = 16
+
+
+@dataclass
+class TritonMetadata:
+    """The common metadata plus the split-KV decision for the step."""
+
+    common: CommonAttentionMetadata
+    decode_only: bool = False
+    num_sms: int = 132
+    # Force a split factor (benchmarks); None = the NOTE 1 policy per layer.
+    num_segments: int | None = None
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs: small, so tests exercise both paths
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def choose_segments(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Split factor for a decode-only batch: enough programs to fill the GPU, a power of two, <= 16."""
+    programs = max(1, num_reqs * num_kv_heads)
+    want = -(-num_sms * _PROGRAMS_PER_SM // programs)
+    segments = 1
+    while segments < want and segments < _MAX_SEGMENTS:
+        segments *= 2
+    return segments
+
+
+class TritonImpl:
+    """One layer: reshape_and_cache, then the unified kernel (split-KV when the metadata asks)."""
+
+    def __init__(self, layer: AttentionLayerConfig) -> None:
+        self.num_heads = layer.num_heads
+        self.num_kv_heads = layer.num_kv_heads
+        self.head_size = layer.head_size
+        self.scale = layer.scale
+        self.sliding_window = layer.sliding_window
+        self.soft_cap = layer.logits_soft_cap
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonMetadata,
+    ) -> torch.Tensor:
+        """Write key/value at metadata's slots, then attend causally over each request's whole context."""
+        from pagedllm.plugins.attention.triton_kernels import reshape_and_cache, unified_attention
+
+        common = metadata.common
+        num_tokens = common.num_actual_tokens
+        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, common.slot_mapping)
+        # Rows past num_actual_tokens (padding) are zero, as the torch backend leaves them.
+        out = torch.zeros_like(query) if query.shape[0] > num_tokens else torch.empty_like(query)
+        unified_attention(
+            query.contiguous() if query.stride(-1) != 1 else query,
+            kv_cache,
+            out,
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
+            num_seqs=common.num_reqs,
+            num_tokens=num_tokens,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            num_segments=self._segments(metadata),
+        )
+        return out
+
+    def _segments(self, md: TritonMetadata) -> int:
+        if md.num_segments is not None:
+            return md.num_segments
+        if not md.decode_only:
+            return 1
+        return choose_segments(md.common.num_reqs, self.num_kv_heads, md.num_sms)
+
+
+class TritonBackend:
+    """Paged attention in Triton: fp32/fp16/bf16, GQA, sliding window, soft-cap, split-KV decode."""
+
+    name: ClassVar[str] = "triton"
+    # The metadata holds only the common tensors and values fixed by the batch size: a decode step can be
+    # captured in a CUDA graph and replayed with new contents in the same buffers.
+    supports_cuda_graphs: ClassVar[bool] = True
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The torch backend's layout: K and V stacked on a leading axis of 2, each NHD blocks."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> TritonMetadata:
+        """Note whether the batch is decode-only (split-KV candidates); no device reads."""
+        decode_only = common.num_reqs > 0 and common.num_decodes == common.num_reqs
+        return TritonMetadata(common, decode_only, _num_sms(common.block_table.device))
+
+    @staticmethod
+    def make_impl(layer: AttentionLayerConfig) -> TritonImpl:
+        """One impl per attention layer."""
+        return TritonImpl(layer)

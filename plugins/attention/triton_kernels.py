@@ -1,0 +1,316 @@
+"""Triton kernels of the `triton` backend: reshape_and_cache and one unified paged-attention kernel.
+
+Cache layout (the torch backend's): kv_cache [2, num_blocks, block_size, kv_heads, head], K = [0], V = [1].
+
+Unified kernel, one program per (query block, KV head [, KV segment]):
+
+    request i owns flat query rows qsl[i] .. qsl[i+1]-1 and cuts them into ceil(q_len / BLOCK_Q) query
+    blocks; global query block ids are laid out as  qsl[i] // BLOCK_Q + i + local_block,  so request i's
+    first block id is an upper bound we can binary-search without any host-side plan (and the grid,
+    T // BLOCK_Q + B, depends only on the padded token and request counts: CUDA-graph safe).
+
+    one program's tile of rows:  BLOCK_M = BLOCK_Q * G  rows = BLOCK_Q query tokens x the G query heads
+    that share this KV head (GQA), so each K/V tile read from the cache feeds G heads' dot products.
+
+    query row at local position j (0-based within the request) sits at key position
+        ctx + j,   ctx = seq_len - q_len   (tokens cached before this step: prefix hits, earlier chunks)
+    and sees key p when  p <= ctx + j  and, with a window W,  p > ctx + j - W.
+
+Keys are read TILE_N at a time; each key's physical block comes from the block table, so TILE_N need not
+equal the page size. Softmax is online (running max m, running sum l) in float32, scores in log2 units
+(exp2); the accumulator is float32; P is cast to the cache dtype for the second dot (as FlashAttention
+does). Tiles that every row of the block sees in full run without a mask; only the diagonal tiles (or,
+with a sliding window, all tiles) build one.
+
+Split-KV (flash-decoding): with NUM_SEGMENTS > 1 each program covers one contiguous segment of the tiles
+and writes an un-normalised partial output, its max and its exp-sum; `_reduce_segments` merges them.
+Long-context decode batches have too few (request, KV head) programs to fill 132 SMs; segments multiply them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c_kv, stride_c_slot, stride_c_h,
+    HEAD: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # negative slot: a padding row that must not touch the cache
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < KV_HEADS * HEAD
+    h = offs // HEAD
+    d = offs % HEAD
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache_ptr + slot * stride_c_slot + h * stride_c_h + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write key/value [T, kv_heads, head] (last dim contiguous) at slots [T] of the paged cache."""
+    num_tokens, kv_heads, head = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, kv_cache, slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        HEAD=head, KV_HEADS=kv_heads, BLOCK=triton.next_power_of_2(kv_heads * head),
+    )
+
+
+@triton.jit
+def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest i with qsl[i] // BLOCK_Q + i <= target (binary search over the B + 1 offsets)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
+    row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+):
+    """One TILE_N-key step of the online softmax (scores in log2 units); returns the new (acc, m, l)."""
+    key_pos = tile * TILE_N + offs_n
+    if MASKED:
+        key_ok = key_pos < seq_len
+        blk = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        key_ok = offs_n >= 0  # all true: the tile lies inside seq_len
+        blk = tl.load(bt_row + key_pos // BLOCK_SIZE)
+    kv_off = blk.to(tl.int64) * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
+    kt = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(k_base + stride_c_kv + kv_off[:, None] + offs_d[None, :],
+                mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, kt)
+    if USE_SOFTCAP:
+        # cap * tanh(x / cap) in natural units (tanh via exp: not every Triton has tl tanh), then log2 units.
+        s = s * (qk_scale * 0.6931471805599453)
+        s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
+        s = s * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = key_ok[None, :] & (key_pos[None, :] <= key_limit[:, None]) & row_ok[:, None]
+        if USE_WINDOW:
+            visible = visible & (key_pos[None, :] > key_limit[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2() gives 0, not NaN.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+# num_seqs changes every step: without this, Triton would compile a variant for 1, for multiples of 16, ...
+@triton.jit(do_not_specialize=["num_seqs"])
+def _unified_attention_kernel(
+    q_ptr, cache_ptr, out_ptr,
+    seg_out_ptr, seg_max_ptr, seg_sum_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    num_seqs, scale, soft_cap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    qblock = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    seq = _find_seq(qsl_ptr, qblock, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    local_block = qblock - (q_start // BLOCK_Q + seq)
+    if local_block * BLOCK_Q >= q_len:  # a spare program of the upper-bound grid
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    q_pos = local_block * BLOCK_Q + offs_m // G  # position within this step's queries
+    head = kv_head * G + offs_m % G
+    row_ok = q_pos < q_len
+    d_ok = offs_d < HEAD
+    q = tl.load(
+        q_ptr + (q_start + q_pos)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    key_limit = ctx + q_pos  # last key position each row may see
+
+    # Keys this query block needs: up to its last row's position (the causal frontier), at most seq_len.
+    last = tl.minimum(ctx + local_block * BLOCK_Q + BLOCK_Q, seq_len)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(ctx + local_block * BLOCK_Q - window + 1, 0)
+    tile_lo = first // TILE_N
+    tile_hi = (last + TILE_N - 1) // TILE_N
+    if NUM_SEGMENTS > 1:
+        per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        tile_lo = tile_lo + segment * per_seg
+        tile_hi = tl.minimum(tile_hi, tile_lo + per_seg)
+
+    # NOTE: tiles wholly at or before the block's first query position are visible to every row (and wholly
+    # inside seq_len): they skip the mask. Only the diagonal tiles (and, with a window, all) pay for it.
+    full_hi = tile_lo
+    if not USE_WINDOW:
+        full_hi = tl.minimum(tl.maximum((ctx + local_block * BLOCK_Q + 1) // TILE_N, tile_lo), tile_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    k_base = cache_ptr + kv_head * stride_c_h
+    bt_row = block_table_ptr + seq * stride_bt
+    # Scores in log2 units: exp2 is one instruction, exp is exp2 plus a multiply.
+    qk_scale = scale * 1.4426950408889634
+    for tile in range(tile_lo, full_hi):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
+            row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
+        )
+    for tile in range(full_hi, tile_hi):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
+            row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
+        )
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    rows = (q_start + q_pos).to(tl.int64)
+    if NUM_SEGMENTS > 1:
+        # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
+        sidx = (rows * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=out_mask)
+        tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
+        tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * NUM_HEADS + h) * NUM_SEGMENTS
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(seg_max_ptr + base + offs_s)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+    w = tl.exp2(m - m_all)  # maxima are in log2 units; empty segments: exp2(-inf) = 0
+    total = tl.sum(tl.load(seg_sum_ptr + base + offs_s) * w, axis=0)
+    part = tl.load(seg_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD)
+
+
+def unified_attention(
+    query: torch.Tensor,  # [T, num_heads, head]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head]
+    out: torch.Tensor,  # [T, num_heads, head]
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    num_seqs: int,
+    num_tokens: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_segments: int = 1,
+    tile_n: int | None = None,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
+
+    `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` override the
+    defaults for tuning; `out` is written for rows < num_tokens.
+    """
+    _, num_heads, head = query.shape
+    kv_heads = kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
+    group = num_heads // kv_heads
+    assert query.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
+    # tl.dot needs every dimension >= 16: BLOCK_M rows = BLOCK_Q tokens x G heads.
+    block_m = max(16, triton.next_power_of_2(group))
+    if num_segments == 1 and num_tokens > num_seqs * 4:  # prefill-heavy: a taller tile reuses K/V more
+        block_m = max(block_m, 64)
+    if rows_per_program:  # tuning sweeps
+        block_m = max(rows_per_program, triton.next_power_of_2(group))
+    block_q = block_m // group
+    head_pad = max(16, triton.next_power_of_2(head))
+    tile_n = tile_n or (16 if _interpreting() else 64 if block_m >= 64 else 32)
+    grid = (num_tokens // block_q + num_seqs, kv_heads, num_segments)
+    if num_segments > 1:
+        rows = num_tokens * num_heads * num_segments
+        seg_out = torch.empty(rows * head_pad, dtype=torch.float32, device=query.device)
+        seg_max = torch.empty(rows, dtype=torch.float32, device=query.device)
+        seg_sum = torch.empty(rows, dtype=torch.float32, device=query.device)
+    else:
+        seg_out = seg_max = seg_sum = out  # unused
+    extra = {}
+    if num_warps is not None:
+        extra["num_warps"] = num_warps
+    if num_stages is not None:
+        extra["num_stages"] = num_stages
+    _unified_attention_kernel[grid](
+        query, kv_cache, out, seg_out, seg_max, seg_sum,
+        query_start_loc, seq_lens, block_table,
+        num_seqs, scale, soft_cap or 0.0, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
+        NUM_SEGMENTS=num_segments, **extra,
+    )
+    if num_segments > 1:
+        _reduce_segments_kernel[(num_tokens, num_heads)](
+            out, seg_out, seg_max, seg_sum, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments,
+        )
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,69 @@
+"""CPU-checkable parts of the GPU runner path: the graph ladder, persistent buffers and padding rows."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.worker.cuda_graphs import StepBuffers, graph_ladder, padded_size
+from pagedllm.worker.input_prep import plan_inputs, prepare_inputs
+
+CPU = torch.device("cpu")
+
+
+def test_ladder_and_padding_size() -> None:
+    assert graph_ladder(64)[:5] == [1, 2, 4, 8, 16] and graph_ladder(64)[-1] == 64
+    assert graph_ladder(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_ladder(256)[-4:] == [160, 192, 224, 256] and len(graph_ladder(256)) == 17
+    assert graph_ladder(1) == [1]
+    sizes = graph_ladder(64)
+    assert padded_size(sizes, 3) == 4 and padded_size(sizes, 8) == 8 and padded_size(sizes, 9) == 16
+    assert padded_size(sizes, 65) is None
+
+
+def _step() -> tuple[list[list[int]], list[int], list[int], list[list[int]]]:
+    # two decodes, then a prefill chunk; block_size 4
+    return [list(range(10)), list(range(5)), list(range(9))], [9, 4, 2], [1, 1, 5], [[3, 4, 5], [6, 7], [8, 9, 2]]
+
+
+def test_buffers_match_fresh_tensors() -> None:
+    tokens, computed, sched, blocks = _step()
+    fresh = prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 2)
+    buffers = StepBuffers(max_tokens=16, max_reqs=4, max_blocks=8, device=CPU)
+    # a bigger earlier step leaves stale contents behind: the views must not show them
+    buffers.load(plan_inputs([list(range(30))] * 4, [0] * 4, [4] * 4, [list(range(1, 9))] * 4, 4, 0))
+    got = buffers.load(plan_inputs(tokens, computed, sched, blocks, 4, 2))
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(got, name), getattr(fresh, name)), name
+    for name in ("query_start_loc", "seq_lens", "slot_mapping"):
+        assert torch.equal(getattr(got.attn, name), getattr(fresh.attn, name)), name
+    width = fresh.attn.block_table.shape[1]
+    assert torch.equal(got.attn.block_table[:, :width], fresh.attn.block_table)
+    assert (got.attn.num_reqs, got.attn.num_actual_tokens, got.attn.num_decodes) == (3, 7, 2)
+    assert not buffers.fits(plan_inputs([list(range(40))], [0], [17], [list(range(1, 11))], 4, 0))
+
+
+def test_padding_rows_are_harmless_decodes() -> None:
+    tokens, computed, sched, blocks = [list(range(10)), list(range(5))], [9, 4], [1, 1], [[3, 4, 5], [6, 7]]
+    buffers = StepBuffers(max_tokens=8, max_reqs=4, max_blocks=4, device=CPU)
+    host = plan_inputs(tokens, computed, sched, blocks, 4, 2)
+    padded = buffers.load(host, pad_to=4)
+    attn = padded.attn
+    assert attn.num_reqs == attn.num_decodes == attn.num_actual_tokens == 4
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert attn.seq_lens.tolist()[2:] == [1, 1]
+    assert attn.slot_mapping.tolist()[2:] == [0, 0]  # the null block's slot 0
+    assert attn.block_table[2:, 0].tolist() == [0, 0]
+
+    # The real rows' attention output is the same with and without the padding rows (torch backend).
+    layer = AttentionLayerConfig(4, 8, 2, 8**-0.5)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 10, 4, 2, 8, generator=gen)
+    q, k, v = (torch.randn(4, h, 8, generator=gen) for h in (4, 2, 2))
+    impl = TorchSDPABackend.make_impl(layer)
+    out_pad = impl.forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(attn))
+    plain = prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 2)
+    out = impl.forward(q[:2], k[:2], v[:2], cache.clone(), TorchSDPABackend.build_metadata(plain.attn))
+    assert torch.allclose(out_pad[:2], out, atol=1e-6)
+    assert torch.isfinite(out_pad).all()

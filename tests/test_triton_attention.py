@@ -1,0 +1,223 @@
+"""The Triton backend against the torch oracle, run by Triton's interpreter on the CPU.
+
+TRITON_INTERPRET must be set before `triton` itself is imported: `@triton.jit` decides at decoration time
+whether a function is compiled or interpreted, and triton.language's own helpers (tl.max, tl.sum, ...) are
+decorated when triton is first imported. Any earlier import in the pytest process (another test, torch's
+inductor) would leave them compiled. So the kernel cases run in ONE child process started with
+TRITON_INTERPRET=1 (this file run as a script); the tests read its JSON. That also keeps the variable out
+of the parent, where it would let the triton backend pass check() on the CPU for every later test.
+Shapes stay tiny: the interpreter runs each program in numpy. bf16 is skipped here (the interpreter's bf16
+arithmetic is not the GPU's); examples/gpu/h200_check.py covers it on the H200.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.selection_context import AttentionSelectionContext
+from pagedllm.worker.input_prep import prepare_inputs
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+# name -> (contexts, queries, options, tolerance on ||got - ref|| / ||ref||). float32 is exact float32 in
+# the interpreter (1e-5); float16 rounds P and the inputs (5e-3).
+CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
+    # two decodes (contexts 6 and 9: partial last blocks), a fresh prefill, a chunk after 5 cached tokens
+    "mixed_gqa_fp32": ([5, 8, 0, 5], [1, 1, 7, 6], {}, 1e-5),
+    "mixed_gqa_fp16": ([5, 8, 0, 5], [1, 1, 7, 6], {"dtype": "float16"}, 5e-3),
+    "split_kv_4": ([3, 30, 17], [1, 1, 1], {"segments": 4}, 1e-5),
+    "split_kv_policy": ([3, 30, 17], [1, 1, 1], {"seed": 1}, 1e-5),  # 4 "SMs" on the CPU: splits
+    "window": ([9, 0, 6], [1, 9, 5], {"window": 5}, 1e-5),
+    "soft_cap": ([9, 0, 6], [1, 9, 5], {"soft_cap": 2.0}, 1e-5),
+    "window_soft_cap_fp16": ([9, 0, 6], [1, 9, 5], {"window": 3, "soft_cap": 1.5, "dtype": "float16"}, 5e-3),
+    "window_split": ([13, 20], [1, 1], {"window": 5, "segments": 2}, 1e-5),
+    # 8 query heads on one KV head, head size not a power of two, page 16
+    "mqa_head24_page16": ([0, 20], [12, 3], {"heads": 8, "kv_heads": 1, "head": 24, "block_size": 16}, 1e-5),
+    # a long chunk: several query blocks in one request, keys spanning several tiles
+    "long_chunk": ([11, 0], [1, 40], {"heads": 2, "kv_heads": 2}, 1e-5),
+}
+
+
+@pytest.fixture(scope="module")
+def interp() -> dict[str, Any]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_against_torch(interp: dict[str, Any], case: str) -> None:
+    res = interp[case]
+    assert res["nan"] == 0
+    assert res["cache_equal"], "reshape_and_cache must write exactly the torch backend's slots"
+    assert res["rel"] < CASES[case][3], res
+
+
+def test_padding_slots_skipped(interp: dict[str, Any]) -> None:
+    assert interp["padding"] == {"written": True, "others_untouched": True}
+
+
+def test_engine_greedy_tokens_match_torch(interp: dict[str, Any]) -> None:
+    assert interp["engine"] == {"backends": ["torch", "triton"], "equal": True}
+
+
+def _batch(
+    contexts: list[int], queries: list[int], block_size: int, num_blocks: int, gen: torch.Generator
+) -> tuple[object, list[list[int]]]:
+    """Common metadata for requests with `contexts[i]` cached tokens and `queries[i]` new ones, random blocks."""
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
+    block_ids, used = [], 0
+    for c, q in zip(contexts, queries, strict=True):
+        n = -(-(c + q) // block_size)
+        block_ids.append(perm[used : used + n])
+        used += n
+    num_decodes = 0
+    while num_decodes < len(queries) and queries[num_decodes] == 1:
+        num_decodes += 1
+    inputs = prepare_inputs(
+        [list(range(c + q)) for c, q in zip(contexts, queries, strict=True)],
+        contexts, queries, block_ids, block_size, torch.device("cpu"), num_decodes,
+    )
+    return inputs.attn, block_ids
+
+
+def _run_both(
+    contexts: list[int],
+    queries: list[int],
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head: int = 16,
+    block_size: int = 4,
+    dtype: str = "float32",
+    window: int | None = None,
+    soft_cap: float | None = None,
+    segments: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton_backend import TritonBackend
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in zip(contexts, queries)) + 3
+    common, _ = _batch(contexts, queries, block_size, num_blocks, gen)
+    tokens = sum(queries)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, generator=gen).to(dt)
+    q = torch.randn(tokens, heads, head, generator=gen).to(dt)
+    # k/v as the model passes them: views into a fused qkv row, last dim contiguous, rows strided.
+    kv = torch.randn(tokens, 2 * kv_heads * head + 8, generator=gen).to(dt)
+    k = kv[:, : kv_heads * head].view(tokens, kv_heads, head)
+    v = kv[:, kv_heads * head : 2 * kv_heads * head].view(tokens, kv_heads, head)
+    layer = AttentionLayerConfig(heads, head, kv_heads, head**-0.5, window, soft_cap)
+
+    ref_cache = cache.clone()
+    ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    md = TritonBackend.build_metadata(common)
+    md.num_segments = segments
+    got = TritonBackend.make_impl(layer).forward(q, k, v, cache, md)
+    return got, ref, cache, ref_cache
+
+
+def test_check_only_with_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.plugins.attention.triton import _check
+
+    ctx = AttentionSelectionContext("cpu", None, "float32", "auto", 64, 16)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _check(ctx)  # a normal CPU run never picks the kernel backend
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _check(ctx) == []
+    assert _check(AttentionSelectionContext("cuda", (9, 0), "bfloat16", "auto", 128, 16)) == []
+    assert _check(AttentionSelectionContext("cuda", (7, 5), "float16", "auto", 128, 16))
+
+
+def test_split_policy() -> None:
+    from pagedllm.plugins.attention.triton_backend import choose_segments
+
+    assert choose_segments(64, 8, 132) == 4  # 512 programs -> 2048 to fill 132 SMs x 8
+    assert choose_segments(1, 8, 132) == 16
+    assert choose_segments(256, 8, 132) == 1
+
+
+def _padding_case() -> dict[str, bool]:
+    from pagedllm.plugins.attention.triton_kernels import reshape_and_cache
+
+    cache = torch.randn(2, 3, 4, 1, 16)
+    before = cache.clone()
+    k = torch.randn(2, 1, 16)
+    reshape_and_cache(k, k + 1, cache, torch.tensor([5, -1]))
+    flat, old = cache.view(2, -1, 16), before.view(2, -1, 16)
+    keep = torch.ones(12, dtype=torch.bool)
+    keep[5] = False
+    return {
+        "written": bool(torch.equal(flat[0, 5], k[0, 0]) and torch.equal(flat[1, 5], k[0, 0] + 1)),
+        "others_untouched": bool(torch.equal(flat[:, keep], old[:, keep])),
+    }
+
+
+def _engine_case() -> dict[str, Any]:
+    """Greedy tokens of a tiny Qwen3-shaped model (GQA, head 32) through the whole engine, triton vs torch.
+
+    Prompt lengths and the token budget force chunked prefill and mixed prefill+decode steps.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.plugin_manager import get_plugin_manager
+    from pagedllm.plugin_spec import PluginKind
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import make_tiny_model
+
+    pm = get_plugin_manager()
+    if pm.get(PluginKind.ATTENTION, "triton") is None:  # until pyproject.toml has the entry point
+        import pagedllm.plugins.attention.triton as plugin
+
+        pm.register(plugin, "triton-in-tree")
+    with tempfile.TemporaryDirectory() as root:
+        path = make_tiny_model("qwen3", Path(root))
+        prompts = [{"prompt_token_ids": list(range(3 + 7 * i, 3 + 7 * i + n))} for i, n in enumerate((5, 23, 2))]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
+        tokens = {}
+        for backend in ("torch", "triton"):
+            llm = LLM(path, attention={"backend": backend}, device="cpu", dtype="float32",
+                      max_num_seqs=2, max_num_batched_tokens=12, block_size=4)
+            chosen = llm.engine.parts.selections["attention"].winner.name
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            tokens[chosen] = [list(o.outputs[0].token_ids) for o in outs]
+            llm.shutdown()
+    return {"backends": sorted(tokens), "equal": tokens.get("torch") == tokens.get("triton")}
+
+
+def _main() -> None:
+    """Child process: run every case under the interpreter, print one JSON line."""
+    assert os.environ.get("TRITON_INTERPRET") == "1" and "triton" not in sys.modules
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for name, (contexts, queries, opts, _tol) in CASES.items():
+        got, ref, cache, ref_cache = _run_both(contexts, queries, **opts)
+        results[name] = {
+            "nan": int(torch.isnan(got).sum()),
+            "rel": float((got.float() - ref.float()).norm() / ref.float().norm()),
+            "cache_equal": bool(torch.equal(cache, ref_cache)),
+        }
+    results["padding"] = _padding_case()
+    results["engine"] = _engine_case()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()
