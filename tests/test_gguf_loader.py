@@ -107,7 +107,7 @@ def test_smollm2_config_matches_transformers(smollm2_info: Any, transformers_smo
     for field in fields:
         assert getattr(ours, field) == getattr(theirs, field), field
     assert (ours.hidden_size, ours.num_hidden_layers, ours.vocab_size) == (576, 30, 49152)
-    assert smollm2_info.quantization_config is None
+    assert smollm2_info.quantization_config == {"quant_method": "gguf", "dense_fallback": True}
     assert smollm2_info.eos_token_ids == [2]
 
 

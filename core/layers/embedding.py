@@ -3,6 +3,11 @@
 The vocabulary is padded up to a multiple of tp_size so every rank holds the same number of rows:
 
     rank r owns token ids [r * V_part, (r + 1) * V_part), V_part = ceil(V / tp); rows >= V are zero padding.
+
+A quantization config may keep the matrix quantized: if it has the optional hook
+`get_embedding_method(layer)`, the returned method owns the weight (`create_weights(layer, rows, cols,
+dtype)`, `embed(layer, ids)` for the lookup, `apply(layer, x)` for the LM head), and a tied LM head multiplies
+by the embedding's quantized copy.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = -(-num_embeddings // ctx.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        hook = getattr(ctx.quant_config, "get_embedding_method", None)
+        self.quant_method: Any = hook(self) if hook is not None else None
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, num_embeddings, embedding_dim, ctx.dtype)
+            return
         self.weight = nn.Parameter(
             torch.zeros(self.num_embeddings_per_partition, embedding_dim, dtype=ctx.dtype),
             requires_grad=False,
@@ -48,6 +58,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""
+        if self.quant_method is not None:  # tp_size 1 (the method refuses more)
+            return self.quant_method.embed(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
@@ -68,9 +80,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         if embedding.weight.shape != self.weight.shape:
             raise ValueError("cannot tie embeddings of different shapes")
         self.weight = embedding.weight
+        if self.quant_method is not None:
+            # Our own placeholder is gone; the logits come from the embedding's quantized copy.
+            self.quant_method = None
+            self.tied_embedding = embedding
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (padding columns dropped)."""
+        source = getattr(self, "tied_embedding", self)
+        if source.quant_method is not None:
+            return source.quant_method.apply(source, hidden_states)
         logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, self.tp_size, dim=-1)
         return logits[..., : self.num_embeddings]

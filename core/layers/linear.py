@@ -76,7 +76,16 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            set_weight_attrs(param, {"weight_loader": self.weight_loader})
+            # A method may load a parameter itself (GGUF: a piece's block type is known only when its tensor
+            # arrives); it then asks `piece_index` where a shard goes instead of having the layer slice it.
+            if not getattr(param, "method_loads", False):
+                set_weight_attrs(param, {"weight_loader": self.weight_loader})
+
+    def piece_index(self, shard_id: Any = None) -> int:
+        """Which of `output_partition_sizes` a checkpoint shard fills (0 for an unfused layer)."""
+        if shard_id is not None:
+            raise WeightLoadError(f"{type(self).__name__} takes no shard id (got {shard_id!r})")
+        return 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's slice of a full checkpoint tensor into `param`."""
@@ -162,6 +171,11 @@ class MergedColumnParallelLinear(LinearBase):
         dst = param.data.narrow(output_dim, offset, size)
         copy_checked(dst, loaded_weight.narrow(output_dim, self.tp_rank * size, size))
 
+    def piece_index(self, shard_id: Any = None) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise WeightLoadError(f"MergedColumnParallelLinear needs a piece index (got {shard_id!r})")
+        return shard_id
+
 
 class QKVParallelLinear(LinearBase):
     """q, k and v projections fused, heads split across ranks; `shard_id` is "q", "k" or "v".
@@ -209,6 +223,12 @@ class QKVParallelLinear(LinearBase):
         rank_in_piece = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         dst = param.data.narrow(output_dim, offset, size)
         copy_checked(dst, loaded_weight.narrow(output_dim, rank_in_piece * size, size))
+
+    def piece_index(self, shard_id: Any = None) -> int:
+        pieces = {"q": 0, "k": 1, "v": 2}
+        if shard_id not in pieces:
+            raise WeightLoadError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v' (got {shard_id!r})")
+        return pieces[shard_id]
 
 
 class RowParallelLinear(LinearBase):

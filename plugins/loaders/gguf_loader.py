@@ -1,7 +1,9 @@
 """The `gguf` loader: one .gguf file holds the config, tokenizer, chat template and (quantized) weights.
 
-Weights are dequantized to float32 at load time (quantization_config is None): the model then runs as an
-ordinary dense checkpoint in the engine's dtype. The header is parsed once per load and kept between
+A file with quantized matrices reports quantization_config {"quant_method": "gguf"}, so by default the
+`gguf` method keeps them in their blocks: the loader then sends each matrix as `GGUFBlocks` (file bytes and
+type). When the model's layers use another method (`quantization: none`, or a file of float matrices), the
+weights are dequantized to float32 at load time and the model runs as an ordinary dense checkpoint. The header is parsed once per load and kept between
 `load_info` and `load_weights` on this loader instance (keyed by path, size and mtime); the tensor bytes stay
 memory-mapped and are dequantized one tensor at a time by gguf-py's `quants.dequantize`.
 """
@@ -13,6 +15,7 @@ import os
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedllm.plugins.loaders.gguf_config import build_hf_config, eos_token_ids
 from pagedllm.plugins.loaders.gguf_file import GGUF_MAGIC, GGUFError, GGUFFile
@@ -53,7 +56,7 @@ class GGUFLoader:
             hf_config=build_hf_config(gguf),
             tokenizer=_load_tokenizer(gguf, tokenizer),
             eos_token_ids=eos_token_ids(gguf),
-            quantization_config=None,
+            quantization_config=_quantization_config(gguf),
             source=model,
         )
 
@@ -61,7 +64,7 @@ class GGUFLoader:
         """Stream the dequantized, HF-named tensors into `module.load_weights`; errors name `model`."""
         gguf = self._open(model)
         try:
-            weights = iter_gguf_weights(gguf)
+            weights = iter_gguf_weights(gguf, keep_quantized=_takes_blocks(module))
             try:
                 module.load_weights(weights)  # type: ignore[operator]
             except GGUFError:
@@ -82,6 +85,20 @@ class GGUFLoader:
         if self._gguf is None or self._gguf_key != key:
             self._gguf, self._gguf_key = GGUFFile(model), key
         return self._gguf
+
+
+def _quantization_config(gguf: GGUFFile) -> dict[str, Any] | None:
+    """{"quant_method": "gguf"} when any matrix is stored quantized; None for F32/F16/BF16 files."""
+    dense = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    if any(len(t.shape) == 2 and t.ggml_type not in dense for t in gguf.tensors):
+        # dense_fallback: the engine may run the file dequantized when the gguf method is not installed.
+        return {"quant_method": "gguf", "dense_fallback": True}
+    return None
+
+
+def _takes_blocks(module: torch.nn.Module) -> bool:
+    """Whether the model's layers were built by a method that stores GGUF blocks (the `gguf` method)."""
+    return any(getattr(getattr(m, "quant_method", None), "takes_gguf_blocks", False) for m in module.modules())
 
 
 def _naming(exc: ValueError, path: str) -> ValueError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from gguf.quants import dequantize
 
 from pagedllm.plugins.loaders.gguf_config import gguf_arch, head_counts
 from pagedllm.plugins.loaders.gguf_file import GGUFError, GGUFFile, GGUFTensor
+from pagedllm.plugins.quantization.gguf_blocks import GGUFBlocks
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -70,6 +72,12 @@ def dequantize_tensor(gguf: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32, copy=False).reshape(tensor.shape))
 
 
+def raw_blocks(gguf: GGUFFile, tensor: GGUFTensor) -> GGUFBlocks:
+    """One matrix as its file bytes, uint8 [rows, bytes per row] (copied out of the read-only map)."""
+    data = np.ascontiguousarray(gguf.data(tensor)).view(np.uint8).reshape(tensor.shape[0], -1)
+    return GGUFBlocks(torch.from_numpy(data.copy()), tensor.ggml_type, (tensor.shape[0], tensor.shape[1]))
+
+
 def unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row interleave (see gguf_config NOTE 1) for one weight or bias.
 
@@ -82,8 +90,11 @@ def unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) for every parameter tensor of an open GGUF, one tensor in memory at a time.
+
+    With `keep_quantized`, every matrix comes as `GGUFBlocks` (its file bytes and type) instead, for layers
+    using the `gguf` quantization method; vectors (norms, biases) are float32 either way.
 
     The architecture and every tensor name are checked before the first tensor is dequantized, so a file we
     cannot load fails at once rather than half-way through filling a model.
@@ -101,13 +112,20 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             )
         named.append((name, tensor))
     rotary_heads = {".self_attn.q_proj.": n_head, ".self_attn.k_proj.": n_kv} if spec.permuted_qk else {}
-    return _dequantized(gguf, named, rotary_heads)
+    return _converted(gguf, named, rotary_heads, keep_quantized)
 
 
-def _dequantized(
-    gguf: GGUFFile, named: list[tuple[str, GGUFTensor]], rotary_heads: dict[str, int]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted(
+    gguf: GGUFFile, named: list[tuple[str, GGUFTensor]], rotary_heads: dict[str, int], keep_quantized: bool
+) -> Iterator[tuple[str, Any]]:
     for name, tensor in named:
+        if keep_quantized and len(tensor.shape) == 2:
+            blocks = raw_blocks(gguf, tensor)
+            for part, heads in rotary_heads.items():
+                if part in name:  # rows are independent, so the byte rows permute like the dense rows
+                    blocks.data = unpermute_rotary(blocks.data, heads)
+            yield name, blocks
+            continue
         value = dequantize_tensor(gguf, tensor)
         for part, heads in rotary_heads.items():
             if part in name:

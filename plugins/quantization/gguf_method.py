@@ -1,0 +1,214 @@
+"""The `gguf` quantization method: linear, embedding and LM-head weights stay in GGUF blocks (or a repack).
+
+The block type of each weight is known only when its tensor arrives (a fused qkv may mix Q4_K and Q6_K, as
+llama.cpp's "_M" mixes do), so a layer's parameter is a placeholder that collects one `GGUFBlocks` per fused
+piece; after loading, consecutive pieces of one type are joined and each run gets a kernel
+(`gguf_kernels.py`). The loader sends blocks only when the model's layers use this method; otherwise it
+dequantizes at load as before (`quantization: none`).
+
+Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine config):
+
+    embedding: "keep" (default) -- the token embedding / LM head in its file type (SmolLM2: Q8_0)
+               "int4"           -- requantized to 4 bits per 32-group (asymmetric), ~40% smaller, lossy
+    cache_dequantized: false    -- types without a fast kernel: keep a float copy after the first call
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pagedllm.layers.weight_utils import WeightLoadError, set_weight_attrs
+from pagedllm.plugins.quantization.gguf_blocks import (
+    DENSE_TYPES,
+    GGUFBlocks,
+    Q,
+    decode_blocks,
+    dequantize_blocks,
+)
+from pagedllm.plugins.quantization.gguf_kernels import (
+    DenseKernel,
+    DequantKernel,
+    GroupInt8Kernel,
+    Int4PackKernel,
+)
+
+_EMBEDDING_MODES = ("keep", "int4")
+
+
+def make_kernel(blocks: GGUFBlocks, dtype: torch.dtype, device: torch.device, cache: bool) -> nn.Module:
+    """The fastest kernel this device has for one block type (a correct per-call dequantization otherwise)."""
+    t = blocks.ggml_type
+    if t in DENSE_TYPES:
+        return DenseKernel(blocks.dequantize().to(device=device, dtype=dtype))
+    if device.type == "cpu" and t in (Q.Q4_0, Q.Q4_1):
+        q, scale, zero = decode_blocks(blocks.data, t, blocks.shape)
+        if t == Q.Q4_0:  # decode_blocks centred q; the int4 kernel wants 0..15 and subtracts 8 itself
+            return Int4PackKernel(q + 8, scale, torch.zeros_like(scale))
+        assert zero is not None
+        return Int4PackKernel(q, scale, zero + 8 * scale)
+    if device.type == "cpu" and t in (Q.Q8_0, Q.Q5_0, Q.Q5_1):
+        return GroupInt8Kernel(*decode_blocks(blocks.data, t, blocks.shape))
+    # TODO(issue 7): a Triton dequant-GEMM for CUDA and torch K-quant decoding into Int4PackKernel.
+    return DequantKernel(blocks.data.to(device), t, blocks.shape, cache)
+
+
+def requantize_int4(w: torch.Tensor) -> Int4PackKernel:
+    """Asymmetric 4-bit, one (scale, min) per 32 inputs, as llama.cpp's Q4_1 rounds: q = round((w - min) / s)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // 32, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = ((groups - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).reshape(n, k)
+    return Int4PackKernel(q, scale, lo + 8 * scale)
+
+
+class GGUFConfig:
+    """Hands every linear layer a GGUFLinearMethod and the embedding / LM head a GGUFEmbeddingMethod."""
+
+    name = "gguf"
+
+    def __init__(self, embedding: str = "keep", cache_dequantized: bool = False) -> None:
+        if embedding not in _EMBEDDING_MODES:
+            raise ValueError(f"gguf: embedding must be one of {_EMBEDDING_MODES}, not {embedding!r}")
+        self.embedding = embedding
+        self.cache_dequantized = cache_dequantized
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None = None) -> GGUFConfig:
+        config = config or {}
+        return cls(str(config.get("embedding", "keep")), bool(config.get("cache_dequantized", False)))
+
+    def get_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
+        return GGUFLinearMethod(self)
+
+    def get_embedding_method(self, layer: nn.Module) -> GGUFEmbeddingMethod:
+        """For VocabParallelEmbedding / ParallelLMHead (an optional QuantizationConfig hook)."""
+        return GGUFEmbeddingMethod(self)
+
+
+@dataclass
+class _LayerState:
+    """What the method keeps on a layer while it loads: piece shapes and the pieces received so far."""
+
+    rows: list[int]
+    cols: int
+    dtype: torch.dtype
+    pieces: list[GGUFBlocks | None] = field(default_factory=list)
+
+
+def _state(layer: nn.Module) -> _LayerState:
+    return cast(_LayerState, layer.__dict__["gguf_state"])
+
+
+def _kernels(layer: nn.Module) -> nn.ModuleList:
+    return cast(nn.ModuleList, layer.gguf_kernels)
+
+
+class _PieceCollector:
+    """Shared by the linear and embedding methods: a placeholder `weight` that collects GGUFBlocks pieces."""
+
+    takes_gguf_blocks = True  # the loader sends blocks (not dequantized floats) to models whose layers say so
+
+    def __init__(self, config: GGUFConfig) -> None:
+        self.config = config
+
+    def _create_placeholder(self, layer: nn.Module, rows: list[int], cols: int, dtype: torch.dtype) -> None:
+        if getattr(layer, "tp_size", 1) != 1:
+            raise ValueError("gguf kept quantized supports tensor_parallel_size 1 only (use quantization: none)")
+        layer.__dict__["gguf_state"] = _LayerState(rows, cols, dtype, [None] * len(rows))
+        weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        # The layer would slice a dense tensor; we take the whole piece, so this loader replaces the layer's.
+        set_weight_attrs(weight, {"method_loads": True, "weight_loader": self._loader(layer)})
+        layer.register_parameter("weight", weight)
+
+    def _loader(self, layer: nn.Module) -> Any:
+        def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            piece_index = getattr(layer, "piece_index", None)  # linear layers; an embedding has one piece
+            piece = int(piece_index(shard_id)) if piece_index is not None else 0
+            if isinstance(loaded, torch.Tensor):  # a dense tensor (F32/F16 in the file, or another loader)
+                loaded = GGUFBlocks(loaded.float().contiguous().view(torch.uint8), Q.F32, tuple(loaded.shape))
+            state = _state(layer)
+            expected = (state.rows[piece], state.cols)
+            if tuple(loaded.shape) != expected:
+                raise WeightLoadError(f"shape mismatch: parameter piece {expected} vs checkpoint {loaded.shape}")
+            state.pieces[piece] = loaded
+
+        return load
+
+    def _build_kernels(self, layer: nn.Module) -> list[tuple[nn.Module, int]]:
+        """Join runs of same-type pieces; one kernel per run, with its output width."""
+        state = _state(layer)
+        device = cast(torch.Tensor, layer.weight).device
+        runs: list[list[GGUFBlocks]] = []
+        for piece in state.pieces:
+            if piece is None:
+                raise WeightLoadError("a GGUF layer piece received no tensor")
+            if runs and runs[-1][0].ggml_type == piece.ggml_type:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        kernels = []
+        for run in runs:
+            data = torch.cat([p.data for p in run]) if len(run) > 1 else run[0].data
+            blocks = GGUFBlocks(data.cpu(), run[0].ggml_type, (sum(p.shape[0] for p in run), run[0].shape[1]))
+            kernel = make_kernel(blocks, state.dtype, device, self.config.cache_dequantized)
+            kernels.append((kernel, blocks.shape[0]))
+        return kernels
+
+    def _finish(self, layer: nn.Module, kernels: list[nn.Module]) -> None:
+        layer.add_module("gguf_kernels", nn.ModuleList(kernels))
+        _state(layer).pieces = []  # the raw file blocks are no longer referenced: only the kernels stay resident
+        weight = cast(torch.Tensor, layer.weight)
+        weight.data = torch.empty(0, dtype=torch.uint8, device=weight.device)
+
+
+class GGUFLinearMethod(_PieceCollector):
+    """QuantizationMethod for linear layers: per-piece blocks at load, one kernel per same-type run."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        self._create_placeholder(layer, list(output_partition_sizes), input_size_per_partition, params_dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self._finish(layer, [k for k, _ in self._build_kernels(layer)])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = _kernels(layer)
+        y = kernels[0](x) if len(kernels) == 1 else torch.cat([k(x) for k in kernels], dim=-1)
+        return y + bias if bias is not None else y
+
+
+class GGUFEmbeddingMethod(_PieceCollector):
+    """The token embedding (row lookup) and LM head (matmul) of one quantized [vocab, hidden] matrix."""
+
+    def create_weights(self, layer: nn.Module, rows: int, cols: int, params_dtype: torch.dtype) -> None:
+        self._create_placeholder(layer, [rows], cols, params_dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        piece = _state(layer).pieces[0]
+        if piece is None:
+            raise WeightLoadError("the embedding received no tensor")
+        if self.config.embedding == "int4" and piece.ggml_type not in (Q.Q4_0, Q.Q4_1):
+            kernel: nn.Module = requantize_int4(dequantize_blocks(piece.data, piece.ggml_type, piece.shape))
+        else:
+            ((kernel, _),) = self._build_kernels(layer)
+        self._finish(layer, [kernel])
+
+    def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden] rows in the model dtype."""
+        kernel: Any = _kernels(layer)[0]
+        return cast(torch.Tensor, kernel.rows(input_ids)).to(_state(layer).dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits."""
+        return cast(torch.Tensor, _kernels(layer)[0](x))
