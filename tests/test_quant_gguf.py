@@ -161,7 +161,7 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(tmp_path: Path, arch
     path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
     write_uniform_gguf(path, arch, qtype)
     prompt = [5, 70, 80, 90, 100, 3]
-    kept = LLMEngine(EngineConfig(model=str(path)), plugin_manager=plugin_manager())
+    kept = LLMEngine(EngineConfig(model=str(path), quantization={"method": "gguf"}), plugin_manager=plugin_manager())
     dense = LLMEngine(
         EngineConfig(model=str(path), quantization={"method": "none"}), plugin_manager=plugin_manager()
     )
@@ -176,7 +176,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def test_smollm2_kept_quantized(default_gguf: str) -> None:
-    kept = LLMEngine(EngineConfig(model=default_gguf), plugin_manager=plugin_manager())
+    kept = LLMEngine(EngineConfig(model=default_gguf, quantization={"method": "gguf"}), plugin_manager=plugin_manager())
     assert uses_gguf(kept)
     tok = kept.tokenizer
     prompt = tok.apply_chat_template(
@@ -204,7 +204,7 @@ def test_smollm2_kept_quantized(default_gguf: str) -> None:
     assert kept_bytes <= 0.36 * fp16_bytes
 
     small = LLMEngine(
-        EngineConfig(model=default_gguf, plugins={"gguf": {"embedding": "int4"}}), plugin_manager=plugin_manager()
+        EngineConfig(model=default_gguf, quantization={"method": "gguf"}, plugins={"gguf": {"embedding": "int4"}}), plugin_manager=plugin_manager()
     )
     small_bytes = weight_bytes(small.core.parts.model)
     small.shutdown()

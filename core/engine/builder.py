@@ -119,20 +119,16 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     backend = selections["attention"].load()
 
     checkpoint_quant = (info.quantization_config or {}).get("quant_method")
+    if checkpoint_quant and (info.quantization_config or {}).get("dense_fallback") and not config.quantization.method:
+        # NOTE: a checkpoint its loader can also serve dense (a GGUF file) runs dequantized unless the config
+        # asks for its method: on the CPU the kept-quantized kernels are still slower on batched prefill
+        # (docs/benchmarks.md), so memory is traded for speed only on request (`quantization: gguf`).
+        checkpoint_quant = None
     quant_name = config.quantization.method or checkpoint_quant or "none"
     quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"
-    try:
-        selections["quantization"] = select(
-            pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
-        )
-    except SelectionError as exc:
-        # A checkpoint its loader can also serve dense (GGUF, dequantized at load) runs unquantized when its
-        # method is unavailable; a method asked for in the config still fails loudly.
-        if quant_source != "the checkpoint" or not (info.quantization_config or {}).get("dense_fallback"):
-            raise
-        logger.warning("%s; loading the weights dequantized instead", exc)
-        quant_name = "none"
-        selections["quantization"] = select(pm, PluginKind.QUANTIZATION, None, requested="none")
+    selections["quantization"] = select(
+        pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
+    )
     quant_cls = selections["quantization"].load()
     # Options: the checkpoint's quantization_config, overridden by the config's `plugins.<method>` section.
     quant_options = {**(info.quantization_config or {}), **config.plugins.get(quant_name, {})}

@@ -56,9 +56,15 @@ class TorchSDPAMetadata:
 
 
 def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given blocks as float32 [..., n_blocks * block_size, kv_heads, head] (one gather)."""
-    kv = kv_cache[:, blocks].float()  # [2, ..., n_blocks, block_size, kv_heads, head]
-    kv = kv.flatten(-4, -3)
+    """K and V of the given blocks as float32 [..., n_blocks * block_size, kv_heads, head] (one gather).
+
+    NOTE: index_select on a [2, num_blocks, block bytes] view copies whole blocks; on the CPU it is several
+    times faster than advanced indexing with a 2-D index, and this gather is most of a decode step's attention.
+    """
+    two, num_blocks, block_size, kv_heads, head = kv_cache.shape
+    flat = kv_cache.view(two, num_blocks, block_size * kv_heads * head)
+    kv = flat.index_select(1, blocks.reshape(-1)).float()
+    kv = kv.view(two, *blocks.shape[:-1], blocks.shape[-1] * block_size, kv_heads, head)
     return kv[0], kv[1]
 
 
@@ -106,17 +112,28 @@ class TorchSDPAImpl:
         assert md.decode_blocks is not None and md.decode_valid is not None
         assert md.decode_seq_lens is not None and md.decode_key_positions is not None
         num_decodes = query.shape[0]
-        q = query.float().reshape(num_decodes, self.num_kv_heads, self.group, self.head_size)
         k, v = _gather_context(kv_cache, md.decode_blocks)  # [D, L, kv_heads, head]
-        scores = torch.einsum("dkgh,dlkh->dkgl", q, k) * self.scale
-        if self.soft_cap is not None:
-            scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
         valid = md.decode_valid
         if self.sliding_window is not None:
             # The query sits at position seq_len - 1; it sees the W positions ending there.
             valid = valid & (
                 md.decode_key_positions[None, :] >= md.decode_seq_lens[:, None] - self.sliding_window
             )
+        if self.soft_cap is None:
+            # NOTE: SDPA reads the gathered K/V through strides (no permute copies) and handles GQA itself:
+            # ~2.4x faster on the CPU than the einsum form below, which soft-capping still needs.
+            out = F.scaled_dot_product_attention(
+                query.float().unsqueeze(2),  # [D, heads, 1, head]
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=valid[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return out.reshape(num_decodes, self.num_heads, self.head_size)
+        q = query.float().reshape(num_decodes, self.num_kv_heads, self.group, self.head_size)
+        scores = torch.einsum("dkgh,dlkh->dkgl", q, k) * self.scale
+        scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("dkgl,dlkh->dkgh", probs, v)

@@ -1,0 +1,98 @@
+"""Where a decode step's time goes on the GPU: host phases timed by hand, device kernels by torch.profiler.
+
+Run on the GPU machine: `python examples/gpu/profile_decode.py --batch 1` (Llama-8B shape, dummy weights,
+triton backend, CUDA graphs as configured). Prints the host-side split of one step (schedule, runner, sampler,
+update) and the top device kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from h200_check import LLAMA_8B_CONFIG, make_model_dir  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import EngineConfig
+
+    path = make_model_dir(LLAMA_8B_CONFIG, tempfile.mkdtemp(), "llama8b")
+    cfg = EngineConfig.from_dict({
+        "model": path, "dtype": "bfloat16", "device": "cuda", "attention": {"backend": "triton"},
+        "loader": {"name": "dummy"}, "enforce_eager": args.eager,
+        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+    })
+    llm = LLM(config=cfg)
+    engine = llm.engine
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def add(tag: str) -> None:
+        for i in range(args.batch):
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": torch.randint(100, 128000, (128,), generator=g).tolist()}, params)
+
+    llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    add("w")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    sched, runner = engine.core.scheduler, engine.core.runner
+    timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "frontend": 0.0}
+    orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute, sched.update_from_output
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            timings[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    add("p")
+    engine.step()  # prefill
+    for _ in range(4):
+        engine.step()
+    sched.schedule = timed("schedule", orig_schedule)
+    runner.execute = timed("execute", orig_execute)
+    sched.update_from_output = timed("update", orig_update)
+    t0 = time.perf_counter()
+    n = args.steps // 2
+    for _ in range(n):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    timings["frontend"] = wall - timings["schedule"] - timings["execute"] - timings["update"]
+    sched.schedule, runner.execute, sched.update_from_output = orig_schedule, orig_execute, orig_update
+    report = {"batch": args.batch, "eager": args.eager, "ms_per_step": round(1e3 * wall / n, 3),
+              **{f"{k}_ms": round(1e3 * v / n, 3) for k, v in timings.items()}}
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print("PROFILE_JSON=" + json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
