@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, our engine timed, transformers and llama.cpp baselines, reports."""
