@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import textwrap
@@ -13,8 +14,18 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each engine takes its CPU KV budget up front (zero-filled, so resident): dozens of engines in one session,
+# plus the servers the tests spawn (they inherit this), must fit the 24 GiB CI machine.
+os.environ.setdefault("PAGEDLLM_KV_CACHE__MEMORY_GB", "0.25")
 # Two shared cores: more threads than cores makes every test slower.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_engines() -> Iterator[None]:
+    """Free a module's engines (and their KV caches) before the next module builds its own."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -52,12 +52,22 @@ def pm() -> PluginManager:
     return manager
 
 
+def _select(pm: PluginManager, ctx: Any, **kwargs: Any) -> Any:
+    """Select among the fakes and the in-tree torch backend only: other in-tree kernel backends (triton, when
+    installed) would otherwise take part and change the expected winners."""
+    if "candidates" not in kwargs:
+        kwargs["candidates"] = [
+            c for c in pm.components(PluginKind.ATTENTION) if c.distribution != "pagedllm" or c.name == "torch"
+        ]
+    return select(pm, PluginKind.ATTENTION, ctx, **kwargs)
+
+
 def _reasons(selection: Any) -> dict[str, list[str]]:
     return {spec.name: reasons for spec, reasons in selection.rejected}
 
 
 def test_on_cpu_the_torch_backend_wins_and_each_loser_says_why(pm: PluginManager) -> None:
-    selection = select(pm, PluginKind.ATTENTION, CPU)
+    selection = _select(pm, CPU)
     assert selection.winner.name == "torch" and selection.winner.distribution == "pagedllm"
     assert _reasons(selection) == {
         "hopper": ["needs a CUDA device, not cpu"],
@@ -71,7 +81,7 @@ def test_on_cpu_the_torch_backend_wins_and_each_loser_says_why(pm: PluginManager
 
 
 def test_on_hopper_the_highest_priority_capable_backend_wins(pm: PluginManager) -> None:
-    selection = select(pm, PluginKind.ATTENTION, H100)
+    selection = _select(pm, H100)
     assert selection.winner.name == "hopper" and selection.winner.distribution == "pagedllm-fake"
     assert selection.load() is HopperBackend
     reasons = _reasons(selection)
@@ -81,23 +91,23 @@ def test_on_hopper_the_highest_priority_capable_backend_wins(pm: PluginManager) 
 
 
 def test_on_ampere_the_capability_check_rejects_the_kernel_backend(pm: PluginManager) -> None:
-    selection = select(pm, PluginKind.ATTENTION, A100)
+    selection = _select(pm, A100)
     assert selection.winner.name == "torch"
     assert _reasons(selection)["hopper"] == ["needs compute capability >= 9.0, not (8, 0)"]
 
 
 def test_requested_backend_is_used_even_when_outranked(pm: PluginManager) -> None:
-    selection = select(pm, PluginKind.ATTENTION, H100, requested="torch")
+    selection = _select(pm, H100, requested="torch")
     assert selection.winner.name == "torch" and selection.requested == "torch"
     assert "torch (requested by config; priority 0, from pagedllm)" in selection.explain()
     assert _reasons(selection) == {"hopper": ["not requested"], "needs_pkg": ["not requested"]}
-    by_checkpoint = select(pm, PluginKind.ATTENTION, H100, requested="torch", requested_by="checkpoint")
+    by_checkpoint = _select(pm, H100, requested="torch", requested_by="checkpoint")
     assert "torch (requested by checkpoint;" in by_checkpoint.explain()
 
 
 def test_unknown_requested_name_lists_the_available_ones(pm: PluginManager) -> None:
     with pytest.raises(SelectionError, match=r"no attention_backend named 'flash'; available: hopper, needs_pkg, torch"):
-        select(pm, PluginKind.ATTENTION, CPU, requested="flash")
+        _select(pm, CPU, requested="flash")
 
 
 @pytest.mark.parametrize(
@@ -112,14 +122,14 @@ def test_requested_but_incapable_backend_fails_with_its_reasons(
     pm: PluginManager, requested: str, context: AttentionSelectionContext, reason: str
 ) -> None:
     with pytest.raises(SelectionError) as info:
-        select(pm, PluginKind.ATTENTION, context, requested=requested)
+        _select(pm, context, requested=requested)
     assert f"'{requested}'" in str(info.value) and "was requested but cannot be used" in str(info.value)
     assert reason in str(info.value)
 
 
 def test_no_capable_candidate_lists_every_reason(pm: PluginManager) -> None:
     with pytest.raises(SelectionError) as info:
-        select(pm, PluginKind.ATTENTION, replace(CPU, kv_cache_dtype="fp8_e4m3"))
+        _select(pm, replace(CPU, kv_cache_dtype="fp8_e4m3"))
     message = str(info.value)
     assert message.startswith("no usable attention_backend for AttentionSelectionContext(")
     assert "hopper: needs a CUDA device, not cpu" in message
@@ -129,7 +139,7 @@ def test_no_capable_candidate_lists_every_reason(pm: PluginManager) -> None:
 
 def test_no_candidates_at_all(pm: PluginManager) -> None:
     with pytest.raises(SelectionError, match="no candidates registered"):
-        select(pm, PluginKind.ATTENTION, CPU, candidates=[])
+        _select(pm, CPU, candidates=[])
 
 
 def _spec(name: str, priority: int = 0, **kwargs: Any) -> ComponentSpec:
@@ -142,7 +152,7 @@ def test_ties_go_to_the_earlier_registration_and_a_crashing_check_is_a_reason(pm
         raise KeyError("head_size")
 
     pool = [_spec("crashy", 9, check=crash), _spec("first", 1), _spec("second", 1)]
-    selection = select(pm, PluginKind.ATTENTION, CPU, candidates=pool)
+    selection = _select(pm, CPU, candidates=pool)
     assert selection.winner.name == "first"
     reasons = _reasons(selection)
     assert reasons["crashy"] == ["capability check failed: KeyError: 'head_size'"]
@@ -161,7 +171,7 @@ def test_a_winner_that_fails_to_import_names_its_plugin_and_distribution(pm: Plu
 
     spec = ComponentSpec(PluginKind.ATTENTION, "kern", boom, plugin="pagedllm.attention_backends:kern",
                          distribution="pagedllm-kern", version="1.2")
-    selection = select(pm, PluginKind.ATTENTION, CPU, candidates=[spec])
+    selection = _select(pm, CPU, candidates=[spec])
     with pytest.raises(PluginLoadError, match=r"'kern' from plugin 'pagedllm.attention_backends:kern' "
                                               r"\(distribution pagedllm-kern 1.2\) failed to load: ImportError"):
         selection.load()
@@ -170,7 +180,7 @@ def test_a_winner_that_fails_to_import_names_its_plugin_and_distribution(pm: Plu
 def test_a_winner_that_does_not_satisfy_the_protocol_names_what_is_missing(pm: PluginManager) -> None:
     spec = ComponentSpec(PluginKind.ATTENTION, "wrong", lambda: "not a backend", plugin="pagedllm.attention_backends:wrong",
                          distribution="pagedllm-wrong", version="0.3")
-    selection = select(pm, PluginKind.ATTENTION, CPU, candidates=[spec])
+    selection = _select(pm, CPU, candidates=[spec])
     with pytest.raises(PluginLoadError) as info:
         selection.load()
     message = str(info.value)
@@ -193,7 +203,7 @@ def test_requested_component_of_a_broken_plugin_names_its_distribution_and_error
     with pytest.warns(RuntimeWarning):
         pm.discover()
     with pytest.raises(SelectionError) as info:
-        select(pm, PluginKind.ATTENTION, H100, requested=requested)
+        _select(pm, H100, requested=requested)
     message = str(info.value)
     assert f"no attention_backend named '{requested}'; available: torch" in message
     assert "plugin 'flashy' (flashy_plugin) from distribution pagedllm-flashy 3.1 is broken" in message
