@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,14 @@ backend = "torch"
 [plugins.my_plugin]
 knob = 3
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests state exactly which environment overrides apply: drop the suite-wide ones (conftest.py)."""
+    for name in list(os.environ):
+        if name.startswith("PAGEDLLM_") and "__" in name:
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture(params=[("engine.yaml", YAML_TEXT), ("engine.yml", YAML_TEXT), ("engine.toml", TOML_TEXT)],
