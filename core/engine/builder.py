@@ -112,7 +112,7 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
         kv_cache_dtype=config.kv_cache.cache_dtype,
         head_size=head_size,
         block_size=block_size,
-        sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False)),
+        sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),
         logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
     )
     selections["attention"] = select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)

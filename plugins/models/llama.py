@@ -16,4 +16,4 @@ def _load() -> Any:
 @hookimpl
 def register_models(register: Any) -> None:
     register("LlamaForCausalLM", _load, description="Llama 2/3, SmolLM2")
-    register("MistralForCausalLM", _load, description="Mistral (full attention)")
+    register("MistralForCausalLM", _load, description="Mistral (sliding window when every layer has one)")

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
-from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec
+from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -243,12 +243,22 @@ class LlamaForCausalLM(nn.Module):
         return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One full-attention spec per layer (sliding-window layers too: the backend masks the window, the
-        cache simply keeps every block until a sliding-window manager is wired to SlidingWindowSpec)."""
+        """One spec per layer: SlidingWindowSpec when every layer has the same window, else FullAttentionSpec.
+
+        NOTE: a model mixing windowed and full layers (Qwen2 with max_window_layers below the layer count)
+        keeps FullAttentionSpec for every layer: two specs make two KV-cache groups, and the model runner
+        still drives every layer from group 0's block table. The backend masks the window either way, so
+        only the early release of blocks is lost. Mixed groups need per-group block tables in the runner.
+        """
+        cfg = self.ctx.hf_config
+        layers = [cast(LlamaDecoderLayer, layer).self_attn for layer in self.model.layers]
+        windows = {layer_sliding_window(cfg, i) for i in range(len(layers))}
+        window = windows.pop() if len(windows) == 1 else None
         specs: list[KVCacheSpec] = []
-        for layer in self.model.layers:
-            attn = cast(LlamaDecoderLayer, layer).self_attn
-            specs.append(
-                FullAttentionSpec(self.ctx.block_size, attn.num_kv_heads, attn.head_dim, self.ctx.dtype)
-            )
+        for attn in layers:
+            shape = (self.ctx.block_size, attn.num_kv_heads, attn.head_dim, self.ctx.dtype)
+            if window is None:
+                specs.append(FullAttentionSpec(*shape))
+            else:
+                specs.append(SlidingWindowSpec(*shape, sliding_window=window))
         return specs
