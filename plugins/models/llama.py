@@ -1,4 +1,4 @@
-"""Registers the Llama family (Llama 2/3, SmolLM2, Mistral without sliding window)."""
+"""Registers the Llama family (Llama 2/3, SmolLM2) and Mistral (whose uniform sliding window the KV manager honours)."""
 
 from __future__ import annotations
 
