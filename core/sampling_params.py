@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of an unfinished request carries (vLLM's names and values).
+
+    CUMULATIVE: everything so far; DELTA: only what this step added; FINAL_ONLY: nothing until it finishes
+    (then everything). `LLM.generate` asks for FINAL_ONLY: copying every running request's growing token list
+    on every step costs O(length) host time per request per step, for outputs nobody reads.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -34,6 +48,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Per-request arguments for logits processors and other plugins, keyed by plugin (vLLM's extra_args).
     extra_args: dict[str, Any] | None = None
     # Filled by the engine from the model's generation config; not a user knob.
@@ -49,6 +64,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"SamplingParams.output_kind must be one of {[k.name for k in RequestOutputKind]}, got {self.output_kind!r}"
+            ) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -92,4 +113,11 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         import copy
 
-        return copy.deepcopy(self)
+        # Shallow copy plus fresh containers: a deepcopy costs ~0.1 ms, paid once per request on admission.
+        new = copy.copy(self)
+        new.stop = list(self.stop or [])
+        new.stop_token_ids = list(self.stop_token_ids or [])
+        new._all_stop_token_ids = set(self._all_stop_token_ids)
+        if self.extra_args:
+            new.extra_args = copy.deepcopy(self.extra_args)
+        return new

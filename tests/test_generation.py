@@ -105,3 +105,31 @@ def test_chat_uses_the_template(llm: LLM) -> None:
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_output_kinds_cumulative_delta_final_only(llm: LLM) -> None:
+    """Stepping the engine: CUMULATIVE grows, DELTA pieces add up to the final output, FINAL_ONLY says nothing
+    until the request ends; all three end with the same tokens and text as `generate`."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    expected = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    engine = llm.engine
+    seen: dict[RequestOutputKind, list] = {}
+    for kind in RequestOutputKind:
+        rid = f"kind-{kind.name}"
+        engine.add_request(rid, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, output_kind=kind))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        seen[kind] = outs
+    cumulative = seen[RequestOutputKind.CUMULATIVE]
+    assert len(cumulative) == 12 and [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 13))
+    assert cumulative[-1].outputs[0].token_ids == expected.token_ids and cumulative[-1].outputs[0].text == expected.text
+    delta = seen[RequestOutputKind.DELTA]
+    assert len(delta) == 12 and all(len(o.outputs[0].token_ids) == 1 for o in delta)
+    assert [t for o in delta for t in o.outputs[0].token_ids] == expected.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == expected.text
+    final = seen[RequestOutputKind.FINAL_ONLY]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -58,6 +58,13 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        # Only finished outputs are returned, so ask the engine for nothing else (vLLM does the same).
+        final_only: dict[int, SamplingParams] = {}
+        for params in params_list:
+            if id(params) not in final_only:
+                final_only[id(params)] = params.clone()
+                final_only[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
+        params_list = [final_only[id(p)] for p in params_list]
         order: dict[str, int] = {}
         for prompt, params in zip(prompt_list, params_list):
             rid = str(next(self._ids))

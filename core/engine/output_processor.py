@@ -13,7 +13,7 @@ from typing import Any
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import EngineCoreOutput, LogprobsEntry
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -26,6 +26,9 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # What earlier DELTA outputs already carried (tokens, characters of text).
+    sent_tokens: int = 0
+    sent_chars: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -39,6 +42,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -60,6 +64,7 @@ class OutputProcessor:
         arrival_time: float,
     ) -> None:
         state = _RequestState(request_id, prompt, prompt_token_ids, {}, RequestMetrics(arrival_time))
+        state.output_kind = samples[0][1].output_kind if samples else RequestOutputKind.CUMULATIVE
         for index, (core_id, params) in enumerate(samples):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             sample = _Sample(index, params, detok)
@@ -115,6 +120,8 @@ class OutputProcessor:
                 del self.requests[rid]
                 for core_id in state.samples:
                     self._core_to_request.pop(core_id, None)
+            elif state.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             results.append(self._make_output(state))
         return results, to_abort
 
@@ -146,17 +153,9 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
+        delta = state.output_kind == RequestOutputKind.DELTA
         completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detokenizer.output_text,
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in sorted(state.samples.values(), key=lambda s: s.index)
+            self._completion(s, delta) for s in sorted(state.samples.values(), key=lambda s: s.index)
         ]
         return RequestOutput(
             request_id=state.request_id,
@@ -167,4 +166,24 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             error=state.error,
+        )
+
+    @staticmethod
+    def _completion(s: _Sample, delta: bool) -> CompletionOutput:
+        text = s.detokenizer.output_text
+        token_ids, logprobs = s.token_ids, s.logprobs
+        if delta:  # only what this output adds; the next one starts where this one ends
+            text, token_ids = text[s.sent_chars :], token_ids[s.sent_tokens :]
+            logprobs = logprobs[s.sent_tokens :] if logprobs is not None else None
+            s.sent_chars, s.sent_tokens = len(s.detokenizer.output_text), len(s.token_ids)
+        else:
+            token_ids = list(token_ids)
+        return CompletionOutput(
+            index=s.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
         )
