@@ -40,8 +40,10 @@ def test_bench_throughput_writes_json(tiny_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
     # The tiny model's saved random weights, read by the hf loader: transformers loads the very same ones.
     argv = ["bench", "throughput", *_engine_flags(tiny_dir, "hf"), "--num-prompts", "5", "--input-len-range", "3:12",
-            "--output-len", "4", "--json", str(out), "--compare-hf", "--hf-batch-size", "2", "--compare-llamacpp"]
+            "--output-len", "4", "--json", str(out), "--compare-hf", "--hf-batch-size", "2", "--compare-llamacpp",
+            "--plot", str(tmp_path / "tp.png")]
     assert main(argv) == 0
+    assert (tmp_path / "tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = _read(out, "hf")
     assert data["benchmark"] == "throughput"
     assert data["workload"]["num_requests"] == 5
@@ -60,9 +62,12 @@ def test_bench_latency_writes_json(tiny_dir: str, tmp_path: Path) -> None:
     out = tmp_path / "lat.json"
     # --load-format dummy: random weights from the config alone, as benchmarks of unreleased shapes use.
     argv = ["bench", "latency", *_engine_flags(tiny_dir, "dummy"), "--input-len", "6", "--output-len", "5",
-            "--batch-size", "2", "--num-iters", "2", "--json", str(out), "--compare-hf"]
+            "--batch-size", "2", "--num-iters", "2", "--json", str(out), "--compare-hf",
+            "--plot", str(tmp_path / "lat.png")]
     assert main(argv) == 0
     data = _read(out, "dummy")
+    assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the latency CDFs were drawn
+    assert "_samples" not in data["results"]["pagedllm"]  # raw times go to the plot, not the JSON
     assert data["results"]["transformers"]["weights"] == "random (from_config)"
     for name in ("pagedllm", "transformers"):
         res = data["results"][name]

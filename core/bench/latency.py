@@ -70,6 +70,8 @@ def run_ours(
             itls += gaps(m.token_times)
     res = latency_result(ttfts, itls, e2e, len(iterations[0]), len(iterations[0][0]), output_len)
     res["kv"] = kv_delta(before, target.kv_stats())
+    # Raw times for --plot; popped before the JSON is written (thousands of numbers per run).
+    res["_samples"] = {"ttft_ms": [1e3 * t for t in ttfts], "itl_ms": [1e3 * t for t in itls]}
     return res
 
 
@@ -97,6 +99,7 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     out: dict[str, Any] = report.header("latency", target.engine_summary(), threads, load_before)
     out["workload"] = {"input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
                        "num_iters": args.num_iters, "seed": seed, "warmup": args.warmup}
+    samples = {name: r.pop("_samples") for name, r in results.items() if "_samples" in r}
     out["results"] = results
     out["ratios"] = report.ratios(results, ["decode_tok_per_s", "output_tok_per_s"],
                                   lower_better=["ttft_ms_p50", "tpot_ms_p50"])
@@ -109,6 +112,8 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     print(f"load average before {load_before}, after {out['load_average_after']}")
     if args.json_out:
         report.write_json(args.json_out, out)
+    if args.plot:
+        report.plot_latency(args.plot, samples)
     return 0
 
 

@@ -56,6 +56,7 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--output-len", type=int, default=128)
     w.add_argument("--batch-size", type=int, default=1, help="requests decoded together (1 = single stream)")
     w.add_argument("--num-iters", type=int, default=3, help="timed repetitions")
+    w.add_argument("--plot", metavar="PNG", help="TTFT and inter-token latency distributions (needs matplotlib)")
     _add_common(lat)
     add_engine_args(lat)
     lat.set_defaults(func=_run_latency)
