@@ -146,8 +146,11 @@ def test_check_only_with_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
 def test_split_policy() -> None:
     from pagedllm.plugins.attention.triton_backend import choose_segments
 
-    assert choose_segments(64, 8, 132) == 4  # 512 programs -> 2048 to fill 132 SMs x 8
-    assert choose_segments(1, 8, 132) == 16
+    # Split only below 2 programs per SM (triton_backend NOTE 2): 64 x 8 = 512 programs fill 132 SMs unsplit.
+    assert choose_segments(64, 8, 132) == 1
+    assert choose_segments(32, 8, 132) == 2  # 256 programs < 264
+    assert choose_segments(8, 8, 132) == 8  # long-context small batches still split
+    assert choose_segments(1, 8, 132) == 32  # one request: the most segments
     assert choose_segments(256, 8, 132) == 1
 
 

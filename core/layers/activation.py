@@ -6,10 +6,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.fused_ops import FusedOp, use_fused
 
-class SiluAndMul(nn.Module):
-    """[..., 2d] = [gate | up] -> silu(gate) * up, [..., d] (the SwiGLU of Llama-style MLPs)."""
+
+class SiluAndMul(FusedOp, nn.Module):
+    """[..., 2d] = [gate | up] -> silu(gate) * up, [..., d] (the SwiGLU of Llama-style MLPs).
+
+    On CUDA one Triton kernel reads the row once (core/layers/triton_ops.py); torch launches three.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(self, x):
+            from pagedllm.layers.triton_ops import act_and_mul
+
+            return act_and_mul(x, "silu")
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(FusedOp, nn.Module):
+    """[..., 2d] = [gate | up] -> gelu_tanh(gate) * up, [..., d] (Gemma's GeGLU, `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(self, x):
+            from pagedllm.layers.triton_ops import act_and_mul
+
+            return act_and_mul(x, "gelu_tanh")
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

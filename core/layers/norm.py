@@ -5,9 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.fused_ops import FusedOp, use_fused
 
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in float32 and cast back (as transformers does)."""
+
+class RMSNorm(FusedOp, nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in float32 and cast back (as transformers does).
+
+    On CUDA one Triton kernel does the residual add, the norm and the weight (core/layers/triton_ops.py);
+    the torch code below is the CPU path and the reference.
+    """
+
+    # Gemma scales by (1 + weight) in float32; set by GemmaRMSNorm.
+    gemma: bool = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -28,7 +37,32 @@ class RMSNorm(nn.Module):
         The fused form lets a decoder layer carry the un-normalised stream as `residual` without a separate
         add kernel; the first layer passes residual=None via `forward(x)` and keeps x as its residual.
         """
+        # The kernel keeps one dtype end to end; a mixed call (an fp32 residual stream) takes the torch path.
+        same_dtype = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+        if same_dtype and use_fused(self, x):
+            from pagedllm.layers.triton_ops import rms_norm
+
+            out, new_residual = rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+            return out if new_residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, cast back once.
+
+    The checkpoint stores weight as the offset from 1, so a fresh layer starts from zeros.
+    """
+
+    gemma = True
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, eps, dtype)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

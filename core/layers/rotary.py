@@ -1,8 +1,11 @@
-"""Rotary position embedding (RoPE), neox style, with a precomputed cos/sin cache indexed by position.
+"""Rotary position embedding (RoPE) with a precomputed cos/sin cache indexed by position.
 
-Neox style rotates the two halves of each head: for x = [x1 | x2] (rotary_dim / 2 each),
+Neox style (Llama, Qwen, Mistral, Gemma) rotates the two halves of each head: for x = [x1 | x2]
+(rotary_dim / 2 each),
     out = [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
-with angle(pos, i) = pos * inv_freq[i]. Dimensions past rotary_dim (partial rotary) pass through unchanged.
+GPT-J style (`is_neox_style=False`) rotates interleaved pairs (x[2i], x[2i + 1]) by the same angles.
+angle(pos, i) = pos * inv_freq[i]. Dimensions past rotary_dim (partial rotary) pass through unchanged.
+On CUDA one Triton kernel rotates q and k in place (core/layers/triton_ops.py).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.fused_ops import FusedOp, use_fused
 
-class RotaryEmbedding(nn.Module):
+
+class RotaryEmbedding(FusedOp, nn.Module):
     """Applies RoPE to q and k at given positions. `rope_scaling` is a HF rope dict (rope_type + its fields).
 
     The cache holds max_position rows; build one per model and share it between layers.
@@ -30,10 +35,14 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         rope_scaling: dict[str, Any] | None = None,
+        is_neox_style: bool = True,
     ) -> None:
         super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_size {head_size}")
         self.head_size = head_size
         self.rotary_dim = rotary_dim
+        self.is_neox_style = is_neox_style
         inv_freq = _inv_freq(rotary_dim, base, rope_scaling)
         # Computed in float32 like transformers does, then cast to the activation dtype when applied.
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -45,10 +54,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, nh * hs] and key [T, nkv * hs] (or [T, heads, hs]); returns rotated copies.
+        """positions [T]; query [T, nh * hs] and key [T, nkv * hs] (or [T, heads, hs]); returns them rotated.
 
+        Use the returned tensors: the torch path returns rotated copies, the fused path rotates query and
+        key in place (they are views into the step's qkv output) and returns them.
         Positions must be < max_position (no bounds check here: it would cost a device sync per layer).
         """
+        if use_fused(self, query) and query.stride(-1) == 1 and key.stride(-1) == 1:
+            from pagedllm.layers.triton_ops import rotary_embedding
+
+            return rotary_embedding(
+                positions, query, key, self.cos_cache, self.sin_cache, self.head_size, self.is_neox_style
+            )
         cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2], broadcast over heads
         sin = self.sin_cache[positions].unsqueeze(-2)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -58,8 +75,12 @@ class RotaryEmbedding(nn.Module):
         x = x.reshape(shape[0], -1, self.head_size)  # q/k may be non-contiguous slices of the qkv output
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return torch.cat((rotated, rest), dim=-1).view(shape)
 
 
@@ -103,7 +124,7 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(scaling) if scaling else None)
 
 
-def get_rope(hf_config: Any, head_size: int) -> RotaryEmbedding:
+def get_rope(hf_config: Any, head_size: int, is_neox_style: bool = True) -> RotaryEmbedding:
     """The RotaryEmbedding a HF config describes (theta, scaling, partial_rotary_factor)."""
     theta, scaling = rope_settings(hf_config)
     factor = getattr(hf_config, "partial_rotary_factor", None)
@@ -111,4 +132,4 @@ def get_rope(hf_config: Any, head_size: int) -> RotaryEmbedding:
         factor = hf_config.rope_parameters.get("partial_rotary_factor")
     rotary_dim = int(head_size * (factor or 1.0))
     max_position = int(getattr(hf_config, "max_position_embeddings", 4096) or 4096)
-    return RotaryEmbedding(head_size, rotary_dim, max_position, theta, scaling)
+    return RotaryEmbedding(head_size, rotary_dim, max_position, theta, scaling, is_neox_style)

@@ -6,9 +6,13 @@ Stages (each written to the JSON as soon as it finishes, so a crash keeps the ea
   a  kernels vs the torch backend at realistic sizes: bf16/fp16, 32 q heads, 8 KV heads, head 128, page 16,
      mixed prefill+decode, prefix offsets, window, soft-cap, split-KV; ||out - ref|| / ||ref||
   b  timing (CUDA events, median): decode 64 x 2048 context (TB/s of KV read) over a sweep of split factors,
-     tiles and warps; prefill 8 x 2048 causal (TFLOP/s) over tiles / warps / stages
+     tiles and warps; the split-KV policy vs every split factor at batch 1..128 and long single contexts;
+     prefill 8 x 2048 causal (TFLOP/s) over tiles / warps / stages
   d  greedy tokens, triton == torch backend, 48 tokens x 4 prompts, a ~100M Llama with random weights, bf16
-  c  Llama-3.1-8B shape, dummy weights, triton backend, CUDA graphs: scaled W1/W2/W3 (+ W3 eager)
+  e  fused Triton ops (RMSNorm+residual, rotary, SiLU-and-mul) vs the torch path at Llama-8B sizes, rows
+     1 / 64 / 2048: bf16 agreement, device us per call in a CUDA graph, eager us, GB/s (fused_ops_bench.py)
+  c  Llama-3.1-8B shape, dummy weights, triton backend, CUDA graphs: scaled W1/W2/W3 (+ W3 eager), and W3
+     with the fused ops off vs on (A/B on the same engine, graphs re-captured)
 The last lines printed are a short table; the full numbers are in the JSON.
 """
 
@@ -182,6 +186,7 @@ def stage_timing(gen: torch.Generator, quick: bool) -> None:
     put("b_decode_64x2048", {"kv_bytes": kv_bytes, "policy_segments": policy, "best": best,
                              "default": default, "all": results})
     del b, out_t
+    stage_split_policy(gen, sms, quick)
 
     p = paged_batch([0] * 8, [2048] * 8, 32, 8, 128, 16, torch.bfloat16, gen, spare=0)
     c = p["common"]
@@ -197,6 +202,45 @@ def stage_timing(gen: torch.Generator, quick: bool) -> None:
     ok = [r for r in results if "ms" in r]
     put("b_prefill_8x2048", {"flops": flops, "best": max(ok, key=lambda r: r["TFLOPs"]) if ok else None,
                              "all": results})
+
+
+def stage_split_policy(gen: torch.Generator, sms: int, quick: bool) -> None:
+    """The split-KV policy (triton_backend NOTE 2) against every split factor, default tile and warps.
+
+    Timed as decode runs: 20 calls captured in a CUDA graph, device time per call (eager events would
+    time the host's launches at these sizes). Shapes: 2048-token contexts at batch 1..128, 32k contexts at
+    batch 1..16. Prediction (docs/perf-notes.md 2): the policy within ~10 % of the best factor in each row.
+    """
+    from fused_ops_bench import graph_us
+
+    from pagedllm.plugins.attention.triton_backend import choose_segments
+    from pagedllm.plugins.attention.triton_kernels import unified_attention
+
+    shapes = [(1, 2048), (4, 2048), (8, 2048), (16, 2048), (32, 2048), (48, 2048), (64, 2048), (128, 2048),
+              (1, 32768), (4, 32768), (16, 32768)]
+    if quick:
+        shapes = [(1, 32768), (64, 2048)]
+    rows: dict[str, Any] = {}
+    for batch, ctx in shapes:
+        b = paged_batch([ctx - 1] * batch, [1] * batch, 32, 8, 128, 16, torch.bfloat16, gen, spare=0)
+        c = b["common"]
+        out_t = torch.empty_like(b["q"])
+        kv_bytes = batch * ctx * 8 * 128 * 2 * 2
+        tbps: dict[int, float] = {}
+        for segments in (1, 2, 4, 8, 16, 32):
+            call = functools.partial(unified_attention, b["q"], b["cache"], out_t, c.query_start_loc,
+                                     c.seq_lens, c.block_table, batch, batch, 128**-0.5, num_segments=segments)
+            try:
+                tbps[segments] = round(kv_bytes / (graph_us(call, calls=20) * 1e-6) / 1e12, 3)
+            except Exception as exc:  # noqa: BLE001 - a failing variant is a data point
+                rows.setdefault("errors", []).append(f"{batch}x{ctx} S={segments}: {exc}"[:300])
+        policy = choose_segments(batch, 8, sms)
+        best = max(tbps, key=lambda s: tbps[s]) if tbps else None
+        rows[f"{batch}x{ctx}"] = {"policy": policy, "policy_TBps": tbps.get(policy), "best": best,
+                                  "best_TBps": tbps.get(best) if best else None, "all": tbps}
+        del b, out_t
+        torch.cuda.empty_cache()
+    put("b_split_policy", rows)
 
 
 # ------------------------------------------------------------------------------------------- engines
@@ -284,6 +328,25 @@ def add_ms_per_token(row: dict[str, Any]) -> None:
     row["ms_per_token"] = round(1e3 * row["elapsed_s"] / max(1, row["output_tokens"]), 3)
 
 
+def fused_ab(llm: Any, tokens: int) -> dict[str, Any]:
+    """W3 (1 x 128 in) and a 64-request decode batch with the fused Triton ops off, then on again: the same
+    engine, graphs re-captured for each mode."""
+    from pagedllm.layers.fused_ops import set_fused_ops
+
+    parts = llm.engine.parts
+    out: dict[str, Any] = {}
+    for mode in ("off", "auto"):
+        set_fused_ops(parts.model, mode)
+        parts.runner.capture_cuda_graphs()
+        run_workload(llm, 2, 64, 8, 0)  # warm-up
+        row = run_workload(llm, 1, 128, tokens, 4)
+        add_ms_per_token(row)
+        out["fused_" + mode] = row
+        out["batch64_fused_" + mode] = run_workload(llm, 64, 128, 128, 5)
+    out["ms_per_token_saved"] = round(out["fused_off"]["ms_per_token"] - out["fused_auto"]["ms_per_token"], 3)
+    return out
+
+
 def stage_engine(root: str, quick: bool) -> None:
     from pagedllm import LLM
     from pagedllm.config import EngineConfig
@@ -314,6 +377,8 @@ def stage_engine(root: str, quick: bool) -> None:
     res["W3_graphs_1x128x512"] = run_workload(llm, 1, 128, 512 // scale, 4)
     add_ms_per_token(res["W3_graphs_1x128x512"])
     put("c_engine_workloads", res)
+    res["W3_fused_ab"] = fused_ab(llm, 512 // scale)
+    put("c_engine_workloads", res)
     # The whole script must stay under 8 minutes (the lead's one GPU call): scale down when late.
     late = time.time() - T0 > 330
     res["W1_200x1024x128"] = run_workload(llm, (50 if late else 200) // scale, 1024, 128, 1)
@@ -338,7 +403,11 @@ def main() -> int:
                       "triton": triton.__version__, "python": sys.version.split()[0]}
     ensure_triton_registered()
     gen = torch.Generator().manual_seed(0)
-    for key, fn in (("a", lambda: stage_kernels(gen)), ("b", lambda: stage_timing(gen, args.quick))):
+    from fused_ops_bench import stage_fused_ops
+
+    stages = (("a", lambda: stage_kernels(gen)), ("b", lambda: stage_timing(gen, args.quick)),
+              ("e", lambda: stage_fused_ops(put, args.quick)))
+    for key, fn in stages:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - keep going: later stages are independent
@@ -366,6 +435,13 @@ def summarize() -> None:
                      f"{d['best']['TBps']:.2f} / {d['default']['TBps'] if d.get('default') else float('nan'):.2f}"))
     if (p := st.get("b_prefill_8x2048")) and p.get("best"):
         rows.append(("prefill 8x2048 TFLOP/s (best)", f"{p['best']['TFLOPs']:.0f}"))
+    if sp := st.get("b_split_policy"):
+        rows.append(("split policy TB/s (policy / best), by BxCtx", "; ".join(
+            f"{k}: {v['policy_TBps']}/{v['best_TBps']}" for k, v in sp.items())))
+    if fused := st.get("e_fused_ops"):
+        from fused_ops_bench import summary_rows
+
+        rows += summary_rows(fused)
     if d := st.get("d_greedy_parity"):
         rows.append(("greedy parity triton==torch", f"{d['equal']} {d['matching_prefix']}"))
     if e := st.get("c_engine_workloads"):
@@ -373,6 +449,9 @@ def summarize() -> None:
             if isinstance(v, dict) and "total_tok_per_s" in v:
                 rows.append((k, f"{v['total_tok_per_s']} tok/s" + (f", {v['ms_per_token']} ms/tok"
                                                                     if "ms_per_token" in v else "")))
+    if ab := (st.get("c_engine_workloads") or {}).get("W3_fused_ab"):
+        rows.append(("W3 ms/token fused off -> on", f"{ab['fused_off']['ms_per_token']} -> "
+                     f"{ab['fused_auto']['ms_per_token']}"))
     print("\n".join(f"{a:<40} {b}" for a, b in rows))
     print(f"total {time.time() - T0:.0f}s; full results in {OUT_PATH}", flush=True)
 

@@ -5,10 +5,20 @@ the common metadata (query_start_loc, seq_lens, block_table, slot_mapping), on t
 reads a device tensor back to the host, so a decode step can be captured in a CUDA graph.
 
 Split-KV policy (NOTE 1): a decode-only batch of B requests over H_kv KV heads runs B * H_kv programs; when
-that is well under what the GPU holds at once, each context is cut into S segments (S a power of two,
-at most 16) and merged by a second small kernel. The choice depends only on B and H_kv -- never on context
-lengths -- so a graph captured for a padded batch size stays valid for every later step of that size.
-Prefill-carrying batches have enough query blocks and never split.
+that leaves SMs idle, each context is cut into S segments (S a power of two, at most 32) and merged by a
+second small kernel. The choice depends only on B and H_kv -- never on context lengths -- so a graph
+captured for a padded batch size stays valid for every later step of that size. Prefill-carrying batches
+have enough query blocks and never split.
+
+NOTE 2 (the fill target, 2 programs per SM): splitting is not free -- every segment writes a float32
+partial row that the merge kernel reads back, and each shorter program spends a larger share of its time
+starting its pipeline. The H200 sweep (docs/perf-notes.md 1b) measured 64 x 2048 unsplit (512 programs,
+3.9 per SM) at 3.78 TB/s against 3.12 TB/s with the earlier target of 8 per SM (4 segments): a 4-warp
+program streaming 32-key tiles keeps enough bytes in flight that ~2 per SM already saturate HBM. So split
+only below 2 per SM. Single-request and small-batch decode (8-64 programs) still get 8-32 segments, where
+one program per (request, head) leaves most SMs idle: one request over 32k keys ran 0.10 TB/s unsplit,
+1.38 at 16 segments and 2.24 at 32 (hence the cap of 32). The graph-timed sweep over batch 1..128 is in
+docs/perf-notes.md 2.
 """
 
 from __future__ import annotations
@@ -21,9 +31,9 @@ import torch
 
 from pagedllm.protocols.attention import AttentionLayerConfig, CommonAttentionMetadata
 
-# Programs we want in flight for one decode launch, per SM (NOTE 1). Tuned on the H200 by h200_check.py.
-_PROGRAMS_PER_SM = 8
-_MAX_SEGMENTS = 16
+# Programs we want in flight for one decode launch, per SM (NOTES 1, 2); measured by h200_check.py stage b.
+_PROGRAMS_PER_SM = 2
+_MAX_SEGMENTS = 32
 
 
 @dataclass
@@ -45,7 +55,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_segments(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Split factor for a decode-only batch: enough programs to fill the GPU, a power of two, <= 16."""
+    """Split factor for a decode-only batch: enough programs to fill the GPU, a power of two, <= 32."""
     programs = max(1, num_reqs * num_kv_heads)
     want = -(-num_sms * _PROGRAMS_PER_SM // programs)
     segments = 1
