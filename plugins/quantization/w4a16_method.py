@@ -1,0 +1,135 @@
+"""The linear method shared by AWQ and GPTQ: the checkpoint's packed tensors stay resident as they are.
+
+Parameters carry the checkpoint's names (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) and layout (see
+w4a16_layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor` attributes let the layer's
+loader place fused pieces and tensor-parallel shards without knowing the format.
+
+    apply on CUDA   the Triton GEMM dequantizes in registers (w4a16_kernel.py)
+    apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
+from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, dequantize, sort_act_order
+
+
+def _param(data: torch.Tensor, **attrs: Any) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    return param
+
+
+class PackedIntLinearMethod:
+    """QuantizationMethod for AWQ GEMM / GPTQ layers; `desc_act` says g_idx may not be k // group_size."""
+
+    def __init__(self, layout: PackedLayout, desc_act: bool = False) -> None:
+        self.layout = layout
+        self.desc_act = desc_act
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        lay = self.layout
+        k, n, pf = input_size_per_partition, sum(output_partition_sizes), lay.pack_factor
+        tp_size = getattr(layer, "tp_size", 1)
+        group = lay.group_size if lay.group_size > 0 else k
+        if lay.group_size <= 0 and tp_size > 1:
+            raise ValueError("gptq: group_size -1 (one group per row) with tensor parallelism is not supported")
+        if self.desc_act and tp_size > 1:
+            # g_idx names groups of the whole input; a row-parallel shard's scales cover only its own groups.
+            raise ValueError("gptq: desc_act (act-order) with tensor_parallel_size > 1 is not supported")
+        if k % group:
+            raise ValueError(f"{lay.kind}: input size {k} is not a multiple of group_size {group}")
+        for size in output_partition_sizes:
+            if size % pf:
+                raise ValueError(f"{lay.kind}: output size {size} is not a multiple of the pack factor {pf}")
+        if lay.kind == "gptq" and k % pf:
+            raise ValueError(f"gptq: input size {k} is not a multiple of the pack factor {pf}")
+        self._group = group
+        groups = k // group
+        if lay.kind == "awq":
+            qweight = _param(torch.empty(k, n // pf, dtype=torch.int32),
+                             input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf)
+        else:
+            qweight = _param(torch.empty(k // pf, n, dtype=torch.int32),
+                             input_dim=0, output_dim=1, packed_dim=0, pack_factor=pf)
+        qzeros = _param(torch.empty(groups, n // pf, dtype=torch.int32),
+                        input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf)
+        # float16 in the checkpoint; held in the model dtype (exact for float32, the CPU dtype).
+        scales = _param(torch.empty(groups, n, dtype=params_dtype), input_dim=0, output_dim=1)
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("qzeros", qzeros)
+        layer.register_parameter("scales", scales)
+        if lay.kind == "gptq":
+            g_idx = _param(torch.empty(k, dtype=torch.int32), method_loads=True)
+            set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer)})
+            layer.register_parameter("g_idx", g_idx)
+            layer.__dict__["g_idx_seen"] = False
+
+    @staticmethod
+    def _g_idx_loader(layer: nn.Module) -> Any:
+        """Every fused piece sends its g_idx: they must agree (one input, so one act-order permutation)."""
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            k = param.shape[0]
+            if loaded.shape[0] != k:  # a row-parallel shard (tp > 1 without act-order)
+                loaded = loaded.narrow(0, getattr(layer, "tp_rank", 0) * k, k)
+            if layer.__dict__["g_idx_seen"]:
+                if not torch.equal(param.data, loaded.to(param.dtype)):
+                    raise WeightLoadError(
+                        f"g_idx of piece {shard_id!r} differs from the fused layer's other pieces; "
+                        "fused projections must share one act-order permutation"
+                    )
+                return
+            copy_checked(param.data, loaded)
+            layer.__dict__["g_idx_seen"] = True
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        g_idx = cast(torch.Tensor | None, getattr(layer, "g_idx", None))
+        layer.__dict__["w4a16_layout"] = PackedLayout(
+            self.layout.kind, self.layout.bits, self._group, self.layout.zero_offset
+        )
+        act_order, perm = None, None
+        if g_idx is not None:
+            trivial = torch.arange(g_idx.shape[0], device=g_idx.device, dtype=g_idx.dtype) // self._group
+            # NOTE: g_idx equal to k // group_size carries no information: the kernel computes it instead.
+            act_order = None if torch.equal(g_idx, trivial) else g_idx
+        if act_order is not None:
+            # Act-order: sort the inputs by group once, permute x per call (a gather of one row of K), and
+            # the kernel reads zeros and scales a row at a time again (10x faster than per-input lookups).
+            lay = layer.__dict__["w4a16_layout"]
+            qweight = cast(torch.Tensor, layer.qweight)
+            sorted_ = sort_act_order(lay, qweight.data, act_order)
+            if sorted_ is not None:
+                qweight.data, perm = sorted_
+                act_order = None
+        layer.__dict__["w4a16_g_idx"] = act_order
+        layer.register_buffer("w4a16_perm", perm)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lay: PackedLayout = layer.__dict__["w4a16_layout"]
+        g_idx: torch.Tensor | None = layer.__dict__["w4a16_g_idx"]
+        perm = cast(torch.Tensor | None, layer.w4a16_perm)
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        qweight, qzeros, scales = (cast(torch.Tensor, getattr(layer, n)) for n in ("qweight", "qzeros", "scales"))
+        if x.is_cuda:
+            from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
+
+            y = w4a16_gemm(x, lay, qweight, qzeros, scales, g_idx, scales.shape[1])
+            return y + bias if bias is not None else y
+        w_t = dequantize(lay, qweight, qzeros, scales, g_idx, dtype=x.dtype)  # [K, N]
+        return F.linear(x, w_t.t(), bias)
