@@ -68,6 +68,10 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
 
 
+# What allocate_slots returns when a one-group request got no new blocks (shared: callers only read it).
+_NO_NEW_BLOCKS = KVCacheBlocks(([],))
+
+
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache look-ups since the last reset: requests looked up, their tokens, the tokens found."""
@@ -109,6 +113,8 @@ class KVCacheManager:
         # Request hashes are kept at one block size, the smallest of the groups (see coordinator.py).
         self.block_size = self.coordinator.hash_block_size
         self.prefix_cache_stats = PrefixCacheStats()
+        # The one group's manager when there is one group (the decode fast path needs no coordination).
+        self._single = self.coordinator.managers[0] if self.coordinator.num_groups == 1 else None
 
     @property
     def num_groups(self) -> int:
@@ -174,6 +180,10 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
+        if new_computed_blocks is None and not num_new_computed_tokens and self._single is not None:
+            grown = self._grow_within_held(request, num_new_tokens)
+            if grown is not None:
+                return grown
         hit_blocks = self._hit_blocks(new_computed_blocks, num_new_computed_tokens)
         rid = request.request_id
         need = min(request.num_computed_tokens + num_new_computed_tokens + num_new_tokens, self.max_model_len)
@@ -202,6 +212,28 @@ class KVCacheManager:
             num_cacheable = min(need, len(request.block_hashes) * self.block_size)
             self.coordinator.cache_blocks(rid, request.block_hashes, num_cacheable)
         return KVCacheBlocks(new_blocks)
+
+    def _grow_within_held(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """The decode fast path: a running request whose held blocks already cover the new tokens.
+
+        The same steps as the general path, minus the ones that are no-ops here (no hits to touch, nothing
+        to allocate), for one group: a decode step mostly lands here (15 of 16 steps at block size 16), and
+        the general path's layers cost ~25 µs per request per step in Python. None means "take the
+        general path".
+        """
+        if not request.num_computed_tokens:
+            return None  # admission: the general path counts the prefix-cache lookup
+        manager = self._single
+        assert manager is not None
+        rid = request.request_id
+        need = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+        manager.remove_skipped_blocks(rid, request.num_computed_tokens)
+        if need > len(manager.get_blocks(rid)) * self.block_size:
+            return None
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+            manager.cache_blocks(rid, request.block_hashes, min(need, len(request.block_hashes) * self.block_size))
+        return _NO_NEW_BLOCKS
 
     def free(self, request: Request) -> None:
         """Give back every block of the request (finished, aborted or preempted); its tail blocks are evicted first."""
