@@ -1,0 +1,1 @@
+"""Tensor-parallel process groups and the collectives the model layers call (torch.distributed)."""

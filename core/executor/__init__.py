@@ -1,0 +1,1 @@
+"""Machinery every executor plugin shares: the tensor-parallel worker (one per remote rank)."""

@@ -1,0 +1,65 @@
+"""Executor protocol: how one engine replica runs its model on its tensor-parallel ranks.
+
+The engine core process is rank 0: it builds the scheduler and its own shard of the model like a
+single-process engine, and the executor runs ranks 1..N-1 elsewhere (local processes, Ray actors). Per step
+the executor sends the SchedulerOutput to every remote rank, runs rank 0's ModelRunner, and returns rank 0's
+ModelRunnerOutput; the ranks meet inside the model's collectives.
+
+Lifecycle, driven by the builder:
+
+    executor = cls(ExecutorContext(config))
+    executor.start()          remote ranks launched; this process joins the group as rank 0 (blocks until all
+                              have joined)
+    ... rank 0's model, KV cache and runner are built ...
+    executor.bind(runner)     waits until every remote rank has built its shard (raises with its error)
+    executor.execute_model(scheduler_output) -> ModelRunnerOutput      every step
+    executor.check_health()   raises WorkerDiedError naming the dead rank
+    executor.shutdown()       stops the remote ranks, leaves the group; idempotent
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
+    from pagedllm.worker.model_runner import ModelRunner
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank of this replica stopped; the replica cannot run another step."""
+
+
+@dataclass(frozen=True)
+class ExecutorContext:
+    """What an executor is built from."""
+
+    config: EngineConfig
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
+
+
+class Executor(Protocol):
+    def start(self) -> None:
+        """Launch the remote ranks and join the tensor-parallel group as rank 0 (before the model is built)."""
+        ...
+
+    def bind(self, runner: ModelRunner) -> None:
+        """Take rank 0's runner and wait until every remote rank is ready; raise with a rank's build error."""
+        ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; return rank 0's output."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a remote rank is gone."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the remote ranks and leave the group (safe to call twice)."""
+        ...

@@ -1,0 +1,228 @@
+"""Tensor parallelism on the CPU: tp=2 over gloo (rank 0 here, rank 1 a spawned process) against tp=1.
+
+References: transformers' float32 greedy loop on the same checkpoint (tests/tiny_models.py) and our own
+tp=1 engine. Cases cover the head layouts that shard differently:
+
+    llama_kv2   4 query heads, 2 KV heads   -> each rank holds 2 q heads and 1 KV head (KV split)
+    qwen2_kv1   4 query heads, 1 KV head    -> each rank holds 2 q heads and a copy of the KV head
+                (q/k/v biases, tied embeddings, vocab 383: padded to 384 so it splits over 2 ranks)
+
+and every loader: hf (safetensors), gguf (a tiny file written with gguf-py, dequantized at load) and dummy
+(random weights that are the same at any tp: each rank draws the full tp=1 tensor and keeps its slice).
+Processes are slow to start, so each case builds one tp=2 engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from tiny_models import hf_greedy, tiny_config
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.shard_check import check_tensor_parallel
+from pagedllm.protocols.executor import WorkerDiedError
+from pagedllm.selector import SelectionError
+
+PROMPTS = [[1, 5, 9, 33, 70, 11, 250, 17, 3], [1, 100, 200, 300], [1, 42, 42, 42, 42, 42, 42, 7, 8, 9, 10]]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# Small blocks: prompts span several blocks, so block tables and slot mapping are exercised on every rank.
+ENGINE = dict(device="cpu", block_size=4, kv_cache_memory_gb=0.01, enable_prefix_caching=True)
+
+
+def tp_config(kind: str) -> Any:
+    if kind == "llama_kv2":
+        return tiny_config("llama")
+    if kind == "qwen2_kv1":
+        cfg = tiny_config("qwen2")
+        cfg.num_key_value_heads = 1
+        cfg.vocab_size = 383
+        cfg.tie_word_embeddings = True
+        return cfg
+    raise ValueError(kind)
+
+
+def save_model(kind: str, root: Path) -> str:
+    path = root / f"tp-{kind}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = tp_config(kind)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def generate(model: str, tp: int, **kwargs: Any) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, tensor_parallel_size=tp, **ENGINE, **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.slow  # starts a rank-1 process
+@pytest.mark.parametrize("kind", ["llama_kv2", "qwen2_kv1"])
+def test_tp2_greedy_equals_tp1_and_transformers(kind: str, tiny_root: Path) -> None:
+    model = save_model(kind, tiny_root)
+    expected = [tokens for tokens, _ in hf_greedy(model, PROMPTS, MAX_TOKENS)]
+    tp1, llm1 = generate(model, 1)
+    kv_heads_tp1 = llm1.engine.parts.runner.kv_caches[0].shape[-2]
+    llm1.shutdown()
+    tp2, llm2 = generate(model, 2)
+    try:
+        parts = llm2.engine.parts
+        assert parts.selections["executor"].winner.name == "multiproc"
+        # Rank 0's KV cache holds its own heads only: half of llama's 2, and qwen2's single head replicated.
+        assert parts.runner.kv_caches[0].shape[-2] == 1
+        assert kv_heads_tp1 == (2 if kind == "llama_kv2" else 1)
+    finally:
+        llm2.shutdown()
+    assert tp1 == expected
+    assert tp2 == expected
+
+
+@pytest.mark.slow  # starts a rank-1 process
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_tp2_gguf_equals_tp1(quantization: str | None, tmp_path: Path) -> None:
+    """Dequantized at load (the layers slice dense tensors) and kept in GGUF blocks (the method slices blocks:
+    rows of column-parallel pieces and of the padded vocabulary, whole blocks of row-parallel columns)."""
+    from test_gguf_loader import tiny_hf_weights, write_tiny_gguf
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama", tiny_hf_weights("llama"))  # Q8_0, Q4_0, F16 and F32 tensors; vocab 261
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [t % 261 for t in p]} for p in PROMPTS]  # the file's vocabulary
+    with LLM(str(path), quantization=quantization, **ENGINE) as llm1:
+        ref = [o.outputs[0] for o in llm1.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(path), tensor_parallel_size=2, quantization=quantization, **ENGINE) as llm2:
+        tp2 = [list(o.outputs[0].token_ids) for o in llm2.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == MAX_TOKENS for t in tp2)
+    if quantization is None:  # float32 throughout: the split changes rounding only
+        assert tp2 == [list(o.token_ids) for o in ref]
+        return
+    # The CPU kernels of the kept blocks multiply in bfloat16 (Int4PackKernel, GroupInt8Kernel), and a
+    # row-parallel layer rounds each rank's partial sum before the all-reduce: sequences agree until a step
+    # where tp=1's top two tokens are within bfloat16 noise, and there tp=2 picks the runner-up. The gap seen
+    # is 0.25: one bfloat16 step for logits of magnitude 32..64, as this std-1 random model's are.
+    for out, tokens in zip(ref, tp2):
+        agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), len(tokens))
+        assert agree >= 3, (out.token_ids, tokens)
+        if agree < len(tokens):
+            top = out.logprobs[agree]  # type: ignore[index]
+            assert tokens[agree] in top, (agree, top)
+            assert abs(top[out.token_ids[agree]].logprob - top[tokens[agree]].logprob) <= 0.25 + 1e-6
+
+
+def test_gguf_blocks_split_only_on_block_boundaries() -> None:
+    import gguf
+    import numpy as np
+
+    from pagedllm.plugins.quantization.gguf_blocks import GGUFBlocks, Q
+
+    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    blocks = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, Q.Q8_0)), Q.Q8_0, (4, 64))
+    right = blocks.narrow_cols(32, 32).dequantize()
+    assert torch.equal(right, blocks.dequantize()[:, 32:])
+    with pytest.raises(ValueError, match="Q8_0 holds 32 weights per block; columns 16..48 of 64"):
+        blocks.narrow_cols(16, 32)
+    padded = blocks.pad_rows(6).dequantize()
+    assert torch.equal(padded[:4], blocks.dequantize()) and not padded[4:].any()
+
+
+def test_dummy_shards_are_slices_of_the_tp1_weights(tiny_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's dummy shard equals its slice of the tp=1 dummy weights (built in-process, no group)."""
+    from pagedllm.engine import builder
+    from pagedllm.engine.builder import build_engine_parts
+
+    monkeypatch.setattr(builder, "tp_min", lambda value, tp_size: value)  # the one collective of a build
+
+    model = save_model("qwen2_kv1", tiny_root)
+    base = dict(model=model, device="cpu", loader={"name": "dummy"}, kv_cache={"num_blocks": 4})
+    full = build_engine_parts(EngineConfig.from_dict(base)).model.state_dict()
+    shards = [
+        build_engine_parts(
+            EngineConfig.from_dict({**base, "parallel": {"tensor_parallel_size": 2}}), tp_rank=rank
+        ).model.state_dict()
+        for rank in (0, 1)
+    ]
+    vocab = tp_config("qwen2_kv1").vocab_size
+    embed = torch.cat([s["model.embed_tokens.weight"] for s in shards])
+    assert torch.equal(embed[:vocab], full["model.embed_tokens.weight"]) and not embed[vocab:].any()
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    q_full, k_full, v_full = full[qkv].split([64, 16, 16])  # 4 q heads and 1 KV head of 16
+    for rank, shard in enumerate(shards):
+        q, k, v = shard[qkv].split([32, 16, 16])
+        assert torch.equal(q, q_full[rank * 32 : (rank + 1) * 32])
+        assert torch.equal(k, k_full) and torch.equal(v, v_full)  # the one KV head, replicated
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s[o] for s in shards], dim=1), full[o])
+    gate_up = "model.layers.0.mlp.gate_up_proj.weight"
+    gate = torch.cat([s[gate_up][:64] for s in shards])
+    assert torch.equal(gate, full[gate_up][:128])
+    assert torch.equal(shards[1]["model.norm.weight"], full["model.norm.weight"])
+
+
+@pytest.mark.slow  # starts a rank-1 process
+def test_tp2_dummy_equals_tp1_and_a_dead_rank_fails_the_next_step(tiny_root: Path) -> None:
+    model = save_model("llama_kv2", tiny_root)
+    tp1, llm1 = generate(model, 1, load_format="dummy")
+    llm1.shutdown()
+    tp2, llm2 = generate(model, 2, load_format="dummy")
+    try:
+        assert tp2 == tp1
+        executor: Any = llm2.engine.parts.executor
+        worker = executor._procs[0]
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
+            llm2.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+    finally:
+        llm2.shutdown()
+
+
+@dataclasses.dataclass
+class _Cfg:
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+
+
+@pytest.mark.parametrize(
+    ("cfg", "tp", "message"),
+    [
+        (_Cfg(), 3, "does not divide num_attention_heads 4"),
+        (_Cfg(num_attention_heads=8, num_key_value_heads=6), 4, "does not divide num_key_value_heads 6"),
+        (_Cfg(num_attention_heads=12, num_key_value_heads=4), 6, "is not a multiple of num_key_value_heads 4"),
+        (_Cfg(intermediate_size=130), 4, "does not divide intermediate_size 130"),
+    ],
+)
+def test_shapes_that_do_not_split_are_refused(cfg: _Cfg, tp: int, message: str) -> None:
+    with pytest.raises(ValueError, match=f"parallel.tensor_parallel_size {tp} {message}"):
+        check_tensor_parallel(cfg, tp)
+    check_tensor_parallel(cfg, 1)
+
+
+def test_executor_selection(tiny_root: Path) -> None:
+    model = save_model("llama_kv2", tiny_root)
+    with pytest.raises(SelectionError, match="uniproc.*runs one rank; parallel.tensor_parallel_size is 2"):
+        LLM(model, tensor_parallel_size=2, distributed_executor_backend="uniproc", **ENGINE)
+    with pytest.raises(Exception, match="tensor_parallel_size"):
+        EngineConfig.from_dict({"parallel": {"tensor_parallel_size": 0}})
+    from pagedllm.engine.builder import build_engine
+
+    speculative = EngineConfig.from_dict(
+        {"model": model, "speculative": {"method": "ngram"}, "parallel": {"tensor_parallel_size": 2}}
+    )
+    with pytest.raises(ValueError, match="speculative.method 'ngram' with parallel.tensor_parallel_size 2"):
+        build_engine(speculative)  # refused before any process starts
+    llm = LLM(model, **ENGINE)
+    try:
+        # tp=1 keeps the single-process path: the core calls the runner's own method, no executor hop.
+        assert llm.engine.parts.selections["executor"].winner.name == "uniproc"
+        assert llm.engine.core._execute == llm.engine.parts.runner.execute
+    finally:
+        llm.shutdown()
