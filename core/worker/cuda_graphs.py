@@ -15,7 +15,8 @@ rows are harmless by construction:
                     block table row [0, ...] (the null block) and slot_mapping 0 (slot 0 of the null block)
 
 so each writes garbage K/V into the null block -- which no real request reads, block 0 is never allocated
--- and attends over that one slot: finite values in rows nobody samples. Only backends that declare
+-- and attends over that one slot: finite values in rows nobody samples. A hybrid model's extra KV-cache
+groups get the same padding in their own block tables and slot mappings. Only backends that declare
 `supports_cuda_graphs` (their metadata holds no host-planned tensors) are captured; others run eagerly.
 
 Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
@@ -25,14 +26,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.protocols.attention import CommonAttentionMetadata
-from pagedllm.worker.input_prep import HostInputs, StepInputs
+from pagedllm.worker.input_prep import GroupTable, HostInputs, StepInputs, build_attn_metadata
 
 logger = logging.getLogger("pagedllm")
 
@@ -69,9 +70,15 @@ def padded_size(sizes: list[int], num_reqs: int) -> int | None:
 
 
 class StepBuffers:
-    """Persistent device tensors for one step's inputs, with pinned host mirrors (NOTE 1)."""
+    """Persistent device tensors for one step's inputs, with pinned host mirrors (NOTE 1).
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+    One block table and slot mapping per KV-cache group (`num_groups`); `block_table` / `slot_mapping` are
+    group 0's.
+    """
+
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         self.device = device
         pin = device.type == "cuda"
@@ -81,21 +88,25 @@ class StepBuffers:
 
         self.input_ids, self.input_ids_h = pair((max_tokens,), torch.int64)
         self.positions, self.positions_h = pair((max_tokens,), torch.int64)
-        self.slot_mapping, self.slot_mapping_h = pair((max_tokens,), torch.int64)
         self.query_start_loc, self.query_start_loc_h = pair((max_reqs + 1,), torch.int32)
         self.seq_lens, self.seq_lens_h = pair((max_reqs,), torch.int32)
-        self.block_table, self.block_table_h = pair((max_reqs, max_blocks), torch.int32)
+        # Per KV-cache group: (device, pinned host) pairs.
+        self.slot_mappings = [pair((max_tokens,), torch.int64) for _ in range(num_groups)]
+        self.block_tables = [pair((max_reqs, max_blocks), torch.int32) for _ in range(num_groups)]
+        self.slot_mapping, self.slot_mapping_h = self.slot_mappings[0]
+        self.block_table, self.block_table_h = self.block_tables[0]
         self.logits_indices, self.logits_indices_h = pair((max_reqs,), torch.int64)
         self._copied = torch.cuda.Event() if pin else None  # the last load()'s copies have read the mirrors
 
     def fits(self, host: HostInputs, pad_to: int | None = None) -> bool:
         reqs = pad_to or host.num_reqs
         tokens = host.num_tokens + (reqs - host.num_reqs)
-        return tokens <= self.max_tokens and reqs <= self.max_reqs and host.block_table.shape[1] <= self.max_blocks
+        width = max([host.block_table.shape[1], *(g.block_table.shape[1] for g in host.extra_groups)])
+        return tokens <= self.max_tokens and reqs <= self.max_reqs and width <= self.max_blocks
 
     def load(self, host: HostInputs, pad_to: int | None = None) -> StepInputs:
         """Copy `host` into the buffers (padded to `pad_to` decode requests, NOTE 2) and return views of them."""
-        n, t, width = host.num_reqs, host.num_tokens, host.block_table.shape[1]
+        n, t = host.num_reqs, host.num_tokens
         reqs = pad_to or n
         tokens = t + (reqs - n)  # each padding request is one decode token
         pad = reqs - n
@@ -103,35 +114,41 @@ class StepBuffers:
             self._copied.synchronize()
         np_ids = self.input_ids_h.numpy()
         np_pos = self.positions_h.numpy()
-        np_slots = self.slot_mapping_h.numpy()
         np_qsl = self.query_start_loc_h.numpy()
         np_lens = self.seq_lens_h.numpy()
-        np_bt = self.block_table_h.numpy()
         np_logits = self.logits_indices_h.numpy()
         np_ids[:t] = host.input_ids
         np_pos[:t] = host.positions
-        np_slots[:t] = host.slot_mapping
         np_qsl[: n + 1] = host.query_start_loc
         np_lens[:n] = host.seq_lens
-        np_bt[:n, :width] = host.block_table
         np_logits[:n] = host.logits_indices
         if pad:
             np_ids[t:tokens] = 0
             np_pos[t:tokens] = 0
-            np_slots[t:tokens] = 0  # slot 0 of the null block: a scratch slot no request reads
             np_qsl[n + 1 : reqs + 1] = np.arange(t + 1, tokens + 1)
             np_lens[n:reqs] = 1
-            np_bt[n:reqs, 0] = 0
             np_logits[n:reqs] = np.arange(t, tokens)
-        # Graph replays read the full-width block table view; stale columns past `width` are never read
-        # (keys stop at seq_len), so only the used columns are copied.
         self._copy(self.input_ids, self.input_ids_h, tokens)
         self._copy(self.positions, self.positions_h, tokens)
-        self._copy(self.slot_mapping, self.slot_mapping_h, tokens)
         self._copy(self.query_start_loc, self.query_start_loc_h, reqs + 1)
         self._copy(self.seq_lens, self.seq_lens_h, reqs)
         self._copy(self.logits_indices, self.logits_indices_h, reqs)
-        self.block_table[:reqs, :width].copy_(self.block_table_h[:reqs, :width], non_blocking=True)
+        tables = [(host.block_table, host.slot_mapping)]
+        tables += [(g.block_table, g.slot_mapping) for g in host.extra_groups]
+        # strict: a step with another number of KV-cache groups than the buffers is a bug, not padding.
+        groups = zip(tables, self.block_tables, self.slot_mappings, strict=True)
+        for (table, slots), (bt, bt_h), (sm, sm_h) in groups:
+            width = table.shape[1]
+            np_bt, np_slots = bt_h.numpy(), sm_h.numpy()
+            np_bt[:n, :width] = table
+            np_slots[:t] = slots
+            if pad:
+                np_slots[t:tokens] = 0  # slot 0 of the null block: a scratch slot no request reads
+                np_bt[n:reqs, 0] = 0
+            # Graph replays read the full-width block table view; stale columns past `width` are never read
+            # (keys stop at seq_len), so only the used columns are copied.
+            self._copy(sm, sm_h, tokens)
+            bt[:reqs, :width].copy_(bt_h[:reqs, :width], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return self.views(host, reqs, tokens)
@@ -157,11 +174,18 @@ class StepBuffers:
             block_size=host.block_size,
             num_decodes=host.num_decodes + (reqs - host.num_reqs),
         )
+        extra = [
+            replace(attn, block_table=bt[:reqs], slot_mapping=sm[:tokens], block_size=g.block_size)
+            for g, (bt, _), (sm, _) in zip(
+                host.extra_groups, self.block_tables[1:], self.slot_mappings[1:], strict=True
+            )
+        ]
         return StepInputs(
             input_ids=self.input_ids[:tokens],
             positions=self.positions[:tokens],
             attn=attn,
             logits_indices=self.logits_indices[:reqs],
+            extra_groups=extra,
         )
 
 
@@ -174,14 +198,14 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
 
-    def capture(self, sizes: list[int], block_size: int) -> None:
-        """Warm up and capture each size, largest first, in one shared memory pool."""
+    def capture(self, sizes: list[int], block_sizes: list[int]) -> None:
+        """Warm up and capture each size, largest first, in one shared pool (`block_sizes`: one per group)."""
         sizes = sorted(s for s in sizes if s <= self.buffers.max_reqs)
         self._pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):
-            host = _dummy_decode(size, block_size)
+            host = _dummy_decode(size, block_sizes)
             inputs = self.buffers.load(host)
-            metadata = self.backend.build_metadata(inputs.attn)
+            metadata = build_attn_metadata(self.backend, inputs)
             # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
             self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
             torch.cuda.synchronize()
@@ -206,21 +230,23 @@ class DecodeGraphs:
         return inputs, hidden
 
 
-def _dummy_decode(num_reqs: int, block_size: int) -> HostInputs:
+def _dummy_decode(num_reqs: int, block_sizes: list[int]) -> HostInputs:
     """A decode batch of num_reqs one-token requests on the null block (what padding rows look like)."""
     zeros = np.zeros(num_reqs, dtype=np.int64)
+    null_table = np.zeros((num_reqs, 1), dtype=np.int32)
     return HostInputs(
         input_ids=zeros,
         positions=zeros,
         query_start_loc=np.arange(num_reqs + 1, dtype=np.int32),
         seq_lens=np.ones(num_reqs, dtype=np.int32),
-        block_table=np.zeros((num_reqs, 1), dtype=np.int32),
+        block_table=null_table,
         slot_mapping=zeros,
         logits_indices=np.arange(num_reqs, dtype=np.int64),
         num_reqs=num_reqs,
         num_tokens=num_reqs,
         max_query_len=1,
         max_seq_len=1,
-        block_size=block_size,
+        block_size=block_sizes[0],
         num_decodes=num_reqs,
+        extra_groups=[GroupTable(null_table, zeros, size) for size in block_sizes[1:]],
     )

@@ -14,17 +14,28 @@ Accounting for request i (nc = num_computed[i], ns = num_scheduled[i], bs = bloc
 
     qsl = query_start_loc = [0, ns_0, ns_0+ns_1, ...] (B+1 entries); logits_indices[i] = qsl[i+1] - 1,
     the last scheduled row of each request (the one whose logits sample the next token).
+
+KV-cache groups (hybrid models, e.g. Gemma's local and global layers): each group has its own block ids per
+request and its own block size, so its own block table and slot mapping; everything else (ids, positions,
+query_start_loc, seq_lens) is shared. Group 0 is `block_ids` / `block_size`; groups 1.. come in
+`more_groups` and travel as `HostInputs.extra_groups` / `StepInputs.extra_groups`. A one-group model pays
+nothing for this.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from pagedllm.protocols.attention import CommonAttentionMetadata
+from pagedllm.protocols.attention import CommonAttentionMetadata, KVGroupMetadata
+
+# One extra KV-cache group's input to plan_inputs: (block ids per request, the group's block size).
+GroupBlockIds = tuple[list[list[int]], int]
 
 
 @dataclass
@@ -33,8 +44,24 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn: CommonAttentionMetadata
+    attn: CommonAttentionMetadata  # KV-cache group 0's (the only group of most models)
     logits_indices: torch.Tensor  # [B] int64: row of each request's last scheduled token
+    # Groups 1.. of a hybrid model: `attn` with that group's block_table, slot_mapping and block_size.
+    extra_groups: list[CommonAttentionMetadata] = field(default_factory=list)
+
+    @property
+    def group_attn(self) -> list[CommonAttentionMetadata]:
+        """The common metadata of every KV-cache group, indexed by group id."""
+        return [self.attn, *self.extra_groups]
+
+
+@dataclass
+class GroupTable:
+    """One extra KV-cache group's block table and slot mapping on the host (shapes as in HostInputs)."""
+
+    block_table: np.ndarray
+    slot_mapping: np.ndarray
+    block_size: int
 
 
 @dataclass
@@ -54,6 +81,7 @@ class HostInputs:
     max_seq_len: int
     block_size: int
     num_decodes: int
+    extra_groups: list[GroupTable] = field(default_factory=list)  # KV-cache groups 1..
 
 
 def plan_inputs(
@@ -63,10 +91,12 @@ def plan_inputs(
     block_ids: list[list[int]],
     block_size: int,
     num_decodes: int,
+    more_groups: Sequence[GroupBlockIds] = (),
 ) -> HostInputs:
     """Compute input ids, positions, slot mapping, block table and offsets on the host (no torch, no device).
 
     Requests must be ordered decodes first: the leading `num_decodes` requests schedule exactly one token.
+    `more_groups` holds KV-cache groups 1.. of a hybrid model (group 0 is block_ids / block_size).
     Raises ValueError when a request's scheduled tokens are not all known or its blocks cannot hold them.
     """
     num_reqs = len(num_scheduled)
@@ -74,6 +104,10 @@ def plan_inputs(
     scheduled = np.asarray(num_scheduled, dtype=np.int64)
     seq_lens = computed + scheduled
     _validate(token_ids, computed, scheduled, seq_lens, block_ids, block_size, num_decodes)
+    for gid, (group_ids, group_block_size) in enumerate(more_groups, start=1):
+        if len(group_ids) != num_reqs:
+            raise ValueError(f"KV-cache group {gid}: block ids for {len(group_ids)} of {num_reqs} requests")
+        _check_capacity(seq_lens, group_ids, group_block_size, f"KV-cache group {gid}: ")
 
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(scheduled, out=query_start_loc[1:])
@@ -92,19 +126,10 @@ def plan_inputs(
         count=num_tokens,
     )
 
-    # Block table [B, max_blocks], padded with block 0 (never read: masked by seq_lens).
-    blocks_per_req = np.asarray([len(b) for b in block_ids], dtype=np.int64)
-    max_blocks = max(1, int(blocks_per_req.max(initial=0)))
-    block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    if blocks_per_req.sum():
-        rows = np.repeat(np.arange(num_reqs), blocks_per_req)
-        block_starts = np.concatenate(([0], np.cumsum(blocks_per_req)[:-1]))
-        cols = np.arange(int(blocks_per_req.sum())) - block_starts[rows]
-        block_table[rows, cols] = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32)
-
-    slot_mapping = block_table[req_of_row, positions // block_size].astype(np.int64) * block_size + (
-        positions % block_size
-    )
+    block_table, slot_mapping = _table_and_slots(block_ids, block_size, req_of_row, positions)
+    extra = [
+        GroupTable(*_table_and_slots(ids, size, req_of_row, positions), size) for ids, size in more_groups
+    ]
     return HostInputs(
         input_ids=input_ids,
         positions=positions,
@@ -119,7 +144,28 @@ def plan_inputs(
         max_seq_len=int(seq_lens.max(initial=0)),
         block_size=block_size,
         num_decodes=num_decodes,
+        extra_groups=extra,
     )
+
+
+def _table_and_slots(
+    block_ids: list[list[int]], block_size: int, req_of_row: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One group's block table [B, max_blocks] (0-padded) and slot mapping [T]."""
+    # Padding is block 0 (never read: masked by seq_lens).
+    num_reqs = len(block_ids)
+    blocks_per_req = np.asarray([len(b) for b in block_ids], dtype=np.int64)
+    max_blocks = max(1, int(blocks_per_req.max(initial=0)))
+    block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+    if blocks_per_req.sum():
+        rows = np.repeat(np.arange(num_reqs), blocks_per_req)
+        block_starts = np.concatenate(([0], np.cumsum(blocks_per_req)[:-1]))
+        cols = np.arange(int(blocks_per_req.sum())) - block_starts[rows]
+        block_table[rows, cols] = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32)
+    slot_mapping = block_table[req_of_row, positions // block_size].astype(np.int64) * block_size + (
+        positions % block_size
+    )
+    return block_table, slot_mapping
 
 
 def prepare_inputs(
@@ -130,13 +176,16 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     num_decodes: int,
+    more_groups: Sequence[GroupBlockIds] = (),
 ) -> StepInputs:
     """`plan_inputs`, then fresh device tensors (the CPU path; the GPU runner copies into persistent buffers).
 
     Requests must be ordered decodes first: the leading `num_decodes` requests schedule exactly one token.
     Raises ValueError when a request's scheduled tokens are not all known or its blocks cannot hold them.
     """
-    host = plan_inputs(token_ids, num_computed, num_scheduled, block_ids, block_size, num_decodes)
+    host = plan_inputs(
+        token_ids, num_computed, num_scheduled, block_ids, block_size, num_decodes, more_groups
+    )
 
     def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         # From pageable host memory CUDA stages the copy before returning, so the numpy buffers may go away.
@@ -158,12 +207,29 @@ def prepare_inputs(
         block_size=block_size,
         num_decodes=num_decodes,
     )
+    extra = [
+        replace(
+            attn,
+            block_table=to_device(g.block_table, torch.int32),
+            slot_mapping=to_device(g.slot_mapping, torch.int64),
+            block_size=g.block_size,
+        )
+        for g in host.extra_groups
+    ]
     return StepInputs(
         input_ids=to_device(host.input_ids, torch.int64),
         positions=to_device(host.positions, torch.int64),
         attn=attn,
         logits_indices=to_device(host.logits_indices, torch.int64),
+        extra_groups=extra,
     )
+
+
+def build_attn_metadata(backend: Any, inputs: StepInputs) -> Any:
+    """The backend's metadata for the step: one object, or a KVGroupMetadata with one per KV-cache group."""
+    if not inputs.extra_groups:
+        return backend.build_metadata(inputs.attn)
+    return KVGroupMetadata([backend.build_metadata(common) for common in inputs.group_attn])
 
 
 def _validate(
@@ -193,10 +259,16 @@ def _validate(
         raise ValueError(
             f"request {i}: scheduled up to token {int(seq_lens[i])} but only {int(known[i])} known"
         )
+    _check_capacity(seq_lens, block_ids, block_size)
+
+
+def _check_capacity(
+    seq_lens: np.ndarray, block_ids: list[list[int]], block_size: int, where: str = ""
+) -> None:
     capacity = np.asarray([len(b) for b in block_ids], dtype=np.int64) * block_size
     small = np.nonzero(seq_lens > capacity)[0]
     if small.size:
         i = int(small[0])
         raise ValueError(
-            f"request {i}: {int(seq_lens[i])} tokens need more than its {len(block_ids[i])} blocks"
+            f"{where}request {i}: {int(seq_lens[i])} tokens need more than its {len(block_ids[i])} blocks"
         )
