@@ -21,11 +21,13 @@ class Selection:
     requested: str | None = None
     rejected: list[tuple[ComponentSpec, list[str]]] = field(default_factory=list)
     requested_by: str = "config"
+    priority: int | None = None  # the winner's priority for this context (None: its fixed one)
 
     def explain(self) -> str:
         how = f"requested by {self.requested_by}" if self.requested else "highest priority that passed its checks"
+        priority = self.winner.priority if self.priority is None else self.priority
         lines = [
-            f"{self.kind.value}: {self.winner.name} ({how}; priority {self.winner.priority}, "
+            f"{self.kind.value}: {self.winner.name} ({how}; priority {priority}, "
             f"from {self.winner.distribution})"
         ]
         for spec, reasons in self.rejected:
@@ -71,7 +73,8 @@ def select(
 
     rejected: list[tuple[ComponentSpec, list[str]]] = []
     winner: ComponentSpec | None = None
-    for spec in sorted(pool, key=lambda c: -c.priority):
+    priority = {c.name: effective_priority(c, context) for c in pool}
+    for spec in sorted(pool, key=lambda c: -priority[c.name]):
         if spec.meta.get("explicit_only"):
             rejected.append((spec, ["only used when asked for by name"]))
             continue
@@ -81,11 +84,30 @@ def select(
         elif winner is None:
             winner = spec
         else:
-            rejected.append((spec, [f"lower priority ({spec.priority}) than {winner.name} ({winner.priority})"]))
+            rejected.append((spec, [
+                f"lower priority ({priority[spec.name]}) than {winner.name} ({priority[winner.name]})"
+            ]))
     if winner is None:
         detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in rejected) or "no candidates registered"
         raise SelectionError(f"no usable {kind.value} for {context!r}: {detail}")
-    return Selection(kind, winner, None, rejected)
+    return Selection(kind, winner, None, rejected, priority=priority[winner.name])
+
+
+def effective_priority(spec: ComponentSpec, context: Any) -> int:
+    """`spec`'s priority for `context`: its `priority_for(context)` when it registered one, else its fixed one.
+
+    Attention backends rank differently per GPU generation (vLLM's order: FlashAttention before FlashInfer
+    on Ampere/Hopper, FlashInfer first on Blackwell), so each backend may pass `priority_for=` with its
+    registration; the policy stays with the plugin, not in a core table of names. A raising `priority_for`
+    falls back to the fixed priority: ranking must never crash selection.
+    """
+    rank = spec.meta.get("priority_for")
+    if rank is None:
+        return spec.priority
+    try:
+        return int(rank(context))
+    except Exception:
+        return spec.priority
 
 
 def _broken_hint(pm: PluginManager, kind: PluginKind) -> str:

@@ -115,7 +115,7 @@ def test_unknown_requested_name_lists_the_available_ones(pm: PluginManager) -> N
     [
         ("hopper", A100, "needs compute capability >= 9.0, not (8, 0)"),
         ("needs_pkg", H100, "package providing 'surely_not_installed_pkg' is not installed"),
-        ("torch", replace(CPU, kv_cache_dtype="fp8_e4m3"), "kv cache dtype fp8_e4m3 not supported"),
+        ("torch", replace(CPU, kv_cache_dtype="float16"), "kv cache dtype float16 not supported"),
     ],
 )
 def test_requested_but_incapable_backend_fails_with_its_reasons(
@@ -129,12 +129,12 @@ def test_requested_but_incapable_backend_fails_with_its_reasons(
 
 def test_no_capable_candidate_lists_every_reason(pm: PluginManager) -> None:
     with pytest.raises(SelectionError) as info:
-        _select(pm, replace(CPU, kv_cache_dtype="fp8_e4m3"))
+        _select(pm, replace(CPU, kv_cache_dtype="float16"))
     message = str(info.value)
     assert message.startswith("no usable attention_backend for AttentionSelectionContext(")
     assert "hopper: needs a CUDA device, not cpu" in message
     assert "needs_pkg: package providing 'surely_not_installed_pkg' is not installed" in message
-    assert "torch: kv cache dtype fp8_e4m3 not supported" in message
+    assert "torch: kv cache dtype float16 not supported" in message
 
 
 def test_no_candidates_at_all(pm: PluginManager) -> None:

@@ -73,14 +73,17 @@ def _torch_built_with_cuda() -> bool:
 def collect() -> dict[str, Any]:
     from pagedllm.plugin_manager import get_plugin_manager
     from pagedllm.plugin_spec import PluginKind
+    from pagedllm.selector import effective_priority
 
     pm = get_plugin_manager()
     attn_ctx = _attention_context()
     components = []
     for kind in PluginKind:
         for spec in pm.components(kind):
+            priority = spec.priority
             if kind is PluginKind.ATTENTION:
                 reasons = spec.reasons_against(attn_ctx)
+                priority = effective_priority(spec, attn_ctx)  # some rank per GPU generation
             else:
                 # Other kinds are checked against a concrete model or config at build time.
                 reasons = spec.missing_requirements()
@@ -91,7 +94,7 @@ def collect() -> dict[str, Any]:
                     "distribution": spec.distribution,
                     "version": spec.version,
                     "plugin": spec.plugin,
-                    "priority": spec.priority,
+                    "priority": priority,
                     "available": not reasons,
                     "reasons": reasons,
                     "description": spec.description,

@@ -14,8 +14,9 @@ def _load() -> Any:
 
 
 def _check(ctx: Any) -> list[str]:
-    if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
-        return [f"kv cache dtype {ctx.kv_cache_dtype} not supported (only the model dtype)"]
+    # fp8_e4m3: stored through a uint8 view, read back as float32 (torch_sdpa_backend's docstring).
+    if ctx.kv_cache_dtype not in ("auto", ctx.dtype, "fp8_e4m3"):
+        return [f"kv cache dtype {ctx.kv_cache_dtype} not supported (the model dtype or fp8_e4m3)"]
     return []
 
 

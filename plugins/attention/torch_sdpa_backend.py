@@ -16,6 +16,11 @@ contiguous block_size-token reads instead of one gather per token. Decodes (the 
 requests, one query each) are batched over a padded [D, L = blocks * block_size] grid with a validity mask;
 prefills run one request at a time through SDPA. Scores and softmax are computed in float32 whatever the
 model dtype: the oracle favours accuracy over speed.
+
+FP8 KV cache (float8_e4m3fn): rows are stored as clamp(x / scale, +-448) with one scale for K and one for V
+per layer (`k_scale`, `v_scale` on the impl, 1.0 unless a loader sets them) and read back as
+float32 * scale -- the same arithmetic as the Triton kernels, so the two backends write identical caches.
+torch has no CPU index_copy_/index_select for float8, so the cache is moved through a uint8 view.
 """
 
 from __future__ import annotations
@@ -55,16 +60,38 @@ class TorchSDPAMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
-def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _store(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+    """Write rows at slots of one flat [slots, kv_heads, head] cache view (fp8: quantized with `scale`)."""
+    if _is_fp8(flat.dtype):
+        quant = (rows.float() * (1.0 / scale)).clamp_(-_FP8_MAX, _FP8_MAX).to(flat.dtype)
+        flat.view(torch.uint8).index_copy_(0, slots, quant.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, rows.to(flat.dtype))
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the given blocks as float32 [..., n_blocks * block_size, kv_heads, head] (one gather).
 
     NOTE: index_select on a [2, num_blocks, block bytes] view copies whole blocks; on the CPU it is several
     times faster than advanced indexing with a 2-D index, and this gather is most of a decode step's attention.
     """
     two, num_blocks, block_size, kv_heads, head = kv_cache.shape
-    flat = kv_cache.view(two, num_blocks, block_size * kv_heads * head)
-    kv = flat.index_select(1, blocks.reshape(-1)).float()
+    fp8 = _is_fp8(kv_cache.dtype)
+    flat = (kv_cache.view(torch.uint8) if fp8 else kv_cache).view(two, num_blocks, block_size * kv_heads * head)
+    kv = flat.index_select(1, blocks.reshape(-1))
+    kv = (kv.view(kv_cache.dtype) if fp8 else kv).float()
     kv = kv.view(two, *blocks.shape[:-1], blocks.shape[-1] * block_size, kv_heads, head)
+    if fp8:
+        return kv[0] * k_scale, kv[1] * v_scale
     return kv[0], kv[1]
 
 
@@ -79,6 +106,8 @@ class TorchSDPAImpl:
         self.sliding_window = layer.sliding_window
         self.soft_cap = layer.logits_soft_cap
         self.group = layer.num_heads // layer.num_kv_heads
+        self.k_scale = 1.0  # fp8 KV cache only: stored = x / scale (see the module docstring)
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -96,8 +125,8 @@ class TorchSDPAImpl:
         v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
         # Rows past num_actual_tokens are padding (e.g. for a captured graph) and are neither stored nor read.
         slots = common.slot_mapping[:num_tokens]
-        k_flat.index_copy_(0, slots, key[:num_tokens].to(k_flat.dtype))
-        v_flat.index_copy_(0, slots, value[:num_tokens].to(v_flat.dtype))
+        _store(k_flat, slots, key[:num_tokens], self.k_scale)
+        _store(v_flat, slots, value[:num_tokens], self.v_scale)
 
         out = torch.zeros_like(query)
         num_decodes = metadata.num_decodes
@@ -112,7 +141,7 @@ class TorchSDPAImpl:
         assert md.decode_blocks is not None and md.decode_valid is not None
         assert md.decode_seq_lens is not None and md.decode_key_positions is not None
         num_decodes = query.shape[0]
-        k, v = _gather_context(kv_cache, md.decode_blocks)  # [D, L, kv_heads, head]
+        k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kv_heads, head]
         valid = md.decode_valid
         if self.sliding_window is not None:
             # The query sits at position seq_len - 1; it sees the W positions ending there.
@@ -141,7 +170,7 @@ class TorchSDPAImpl:
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
         q = query.float().transpose(0, 1)  # [heads, n, head]
-        k, v = _gather_context(kv_cache, seg.blocks)
+        k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale)
         # Drop the unused tail of the last block. GQA: each KV head serves `group` consecutive query heads.
         k = k[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)  # [heads, ctx, head]
         v = v[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)

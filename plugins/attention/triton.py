@@ -25,8 +25,11 @@ def _check(ctx: Any) -> list[str]:
         reasons.append(f"device {ctx.device_type}: needs cuda (or TRITON_INTERPRET=1 for the interpreter)")
     if ctx.device_type == "cuda" and ctx.compute_capability is not None and ctx.compute_capability < (8, 0):
         reasons.append(f"compute capability {ctx.compute_capability} < 8.0 (bf16 tensor-core dots)")
-    if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
-        reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (only the model dtype)")
+    if ctx.kv_cache_dtype not in ("auto", ctx.dtype, "fp8_e4m3"):
+        reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (the model dtype or fp8_e4m3)")
+    elif ctx.kv_cache_dtype == "fp8_e4m3" and ctx.device_type == "cuda" and (ctx.compute_capability or (0, 0)) < (8, 9):
+        # Triton's float8e4nv conversions need Ada/Hopper (sm_89+).
+        reasons.append(f"fp8 kv cache needs compute capability >= 8.9, not {ctx.compute_capability}")
     if ctx.dtype not in ("float32", "float16", "bfloat16"):
         reasons.append(f"dtype {ctx.dtype} not supported")
     if ctx.head_size > 256:

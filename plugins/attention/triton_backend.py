@@ -74,6 +74,11 @@ class TritonImpl:
         self.scale = layer.scale
         self.sliding_window = layer.sliding_window
         self.soft_cap = layer.logits_soft_cap
+        # Per-tensor scales of an fp8 KV cache (unused otherwise): stored value = x / scale. 1.0 is vLLM's
+        # default when a checkpoint ships no k_scale/v_scale; e4m3 holds |x| <= 448, ample for K and V of
+        # the models here. A loader that reads checkpoint scales sets these attributes.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -88,7 +93,9 @@ class TritonImpl:
 
         common = metadata.common
         num_tokens = common.num_actual_tokens
-        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, common.slot_mapping)
+        reshape_and_cache(
+            key[:num_tokens], value[:num_tokens], kv_cache, common.slot_mapping, self.k_scale, self.v_scale
+        )
         # Rows past num_actual_tokens (padding) are zero, as the torch backend leaves them.
         out = torch.zeros_like(query) if query.shape[0] > num_tokens else torch.empty_like(query)
         unified_attention(
@@ -104,6 +111,8 @@ class TritonImpl:
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
             num_segments=self._segments(metadata),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out
 
@@ -116,7 +125,7 @@ class TritonImpl:
 
 
 class TritonBackend:
-    """Paged attention in Triton: fp32/fp16/bf16, GQA, sliding window, soft-cap, split-KV decode."""
+    """Paged attention in Triton: fp32/fp16/bf16 (fp8 KV cache), GQA, sliding window, soft-cap, split-KV."""
 
     name: ClassVar[str] = "triton"
     # The metadata holds only the common tensors and values fixed by the batch size: a decode step can be

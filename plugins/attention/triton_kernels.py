@@ -22,6 +22,12 @@ equal the page size. Softmax is online (running max m, running sum l) in float32
 does). Tiles that every row of the block sees in full run without a mask; only the diagonal tiles (or,
 with a sliding window, all tiles) build one.
 
+FP8 KV cache (float8_e4m3fn, one scale per tensor for K and one for V): reshape_and_cache stores
+clamp(x / scale, +-448) in fp8; the attention kernel widens each K/V tile to the query dtype right after the
+load (the dots then run as for a 16-bit cache) and applies the scales where they cost nothing: k_scale is
+folded into the softmax scale (q . k_scale*k = k_scale * q . k) and v_scale multiplies the normalised
+output once (P @ (v_scale * v) = v_scale * P @ v).
+
 Split-KV (flash-decoding): with NUM_SEGMENTS > 1 each program covers one contiguous segment of the tiles
 and writes an un-normalised partial output, its max and its exp-sum; `_reduce_segments` merges them.
 Long-context decode batches have too few (request, KV head) programs to fill 132 SMs; segments multiply them.
@@ -35,11 +41,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """float32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, in float32.
+
+    NOTE: the cast that follows is then exact. On a GPU the hardware cast rounds the same way, so this costs
+    a few integer ops in a memory-bound kernel; Triton's CPU interpreter, though, rounds half up and drops
+    the carry when rounding crosses a power of two (0.4927 -> 0.25), which would make the interpreter tests
+    disagree with torch. Rounding here keeps one code path for both. The step is 2^(e - 3) for a binade
+    2^e (3 mantissa bits), 2^-9 below 2^-6 (subnormals); adding and removing 1.5 * 2^23 * step rounds to it.
+    """
+    mag = tl.abs(x)
+    exp = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_exp = tl.maximum(exp, -6) - 3
+    magic = ((step_exp + 23 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    rounded = (mag + magic) - magic
+    return tl.where(x < 0, -rounded, rounded)  # on the magnitude, so -tiny keeps torch's -0.0
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_c_kv, stride_c_slot, stride_c_h,
-    HEAD: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr,
+    stride_c_kv, stride_c_slot, stride_c_h, inv_k_scale, inv_v_scale,
+    HEAD: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -52,12 +76,27 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = cache_ptr + slot * stride_c_slot + h * stride_c_h + d
+    if FP8:
+        # Quantize: scale into e4m3's range and saturate (a plain cast of |x| > 448 is not saturating on
+        # every path; torch's CPU cast saturates, so clamping keeps both backends bit-identical).
+        k = _round_to_e4m3(tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -448.0), 448.0))
+        v = _round_to_e4m3(tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -448.0), 448.0))
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write key/value [T, kv_heads, head] (last dim contiguous) at slots [T] of the paged cache."""
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write key/value [T, kv_heads, head] (last dim contiguous) at slots [T] of the paged cache.
+
+    An fp8 cache stores key / k_scale and value / v_scale, saturated to e4m3's +-448.
+    """
     num_tokens, kv_heads, head = key.shape
     if num_tokens == 0:
         return
@@ -65,9 +104,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache, slots,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), 1.0 / k_scale, 1.0 / v_scale,
         HEAD=head, KV_HEADS=kv_heads, BLOCK=triton.next_power_of_2(kv_heads * head),
+        FP8=is_fp8(kv_cache.dtype),
     )
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """The KV-cache dtypes stored as 8-bit floats with a per-tensor scale."""
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -90,7 +135,7 @@ def _attend_tile(
     q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
     row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One TILE_N-key step of the online softmax (scores in log2 units); returns the new (acc, m, l)."""
     key_pos = tile * TILE_N + offs_n
@@ -104,6 +149,9 @@ def _attend_tile(
     kt = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
     v = tl.load(k_base + stride_c_kv + kv_off[:, None] + offs_d[None, :],
                 mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_FP8:  # widen to the query dtype; the scales are applied outside (see the top of this file)
+        kt = kt.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, kt)
     if USE_SOFTCAP:
         # cap * tanh(x / cap) in natural units (tanh via exp: not every Triton has tl tanh), then log2 units.
@@ -133,13 +181,13 @@ def _unified_attention_kernel(
     q_ptr, cache_ptr, out_ptr,
     seg_out_ptr, seg_max_ptr, seg_sum_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, scale, soft_cap, window,
+    num_seqs, scale, soft_cap, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
     stride_bt,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,13 +244,13 @@ def _unified_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
             row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
-            BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP, KV_FP8,
         )
     for tile in range(full_hi, tile_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
             row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
-            BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP, KV_FP8,
         )
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -210,11 +258,11 @@ def _unified_attention_kernel(
     if NUM_SEGMENTS > 1:
         # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
         sidx = (rows * NUM_HEADS + head) * NUM_SEGMENTS + segment
-        tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=out_mask)
+        tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale, mask=out_mask)
         tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
     else:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -253,6 +301,8 @@ def unified_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_segments: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     tile_n: int | None = None,
     rows_per_program: int | None = None,
     num_warps: int | None = None,
@@ -261,7 +311,8 @@ def unified_attention(
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
 
     `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` override the
-    defaults for tuning; `out` is written for rows < num_tokens.
+    defaults for tuning; `out` is written for rows < num_tokens. An fp8 cache is read back as
+    k_scale * K and v_scale * V (the scales reshape_and_cache divided by).
     """
     _, num_heads, head = query.shape
     kv_heads = kv_cache.shape[3]
@@ -293,14 +344,14 @@ def unified_attention(
     _unified_attention_kernel[grid](
         query, kv_cache, out, seg_out, seg_max, seg_sum,
         query_start_loc, seq_lens, block_table,
-        num_seqs, scale, soft_cap or 0.0, sliding_window or 0,
+        num_seqs, scale * k_scale, soft_cap or 0.0, sliding_window or 0, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
-        NUM_SEGMENTS=num_segments, **extra,
+        NUM_SEGMENTS=num_segments, KV_FP8=is_fp8(kv_cache.dtype), **extra,
     )
     if num_segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](

@@ -1,0 +1,184 @@
+"""The `flash_attn` attention backend: FlashAttention's paged varlen forward (fa4, fa3 or fa2; see flash_attn.py).
+
+Cache layout: the torch/triton backends' [2, num_blocks, block_size, kv_heads, head]; kv_cache[0] and
+kv_cache[1] are contiguous NHD page tensors, passed as separate K and V caches with the block table as the
+page table. New K/V rows are written by the triton backend's reshape_and_cache kernel. One call covers the
+whole mixed batch (decodes and prefill chunks alike): queries by cu_seqlens_q = query_start_loc, context
+lengths by seqused_k = seq_lens (fa2: cu_seqlens_k, their prefix sum), causal bottom-right aligned.
+
+    fa4  flash_attn.cute.interface._flash_attn_fwd(q, k, v, cu_seqlens_q=, seqused_k=, max_seqlen_q=,
+         page_table=, softmax_scale=, causal=True, softcap=, window_size_left=, out=) -- the call the H200
+         anchor ran (fa4_test.py: page 16 and 128, 1.1e-3..2.3e-3 from float32; prefill 382-445 TFLOP/s).
+    fa3  flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=,
+         cu_seqlens_q=, max_seqlen_q=, softmax_scale=, causal=True, window_size=, softcap=)
+    fa2  flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale=, causal=True, window_size=, softcap=, block_table=)
+
+Windows: FlashAttention's left window counts the visible keys left of the query, so a window W is W - 1.
+Metadata is device tensors plus two host ints (the step's longest query and context), so no host sync.
+
+What was verified, and what awaits the GPU: only the fa4 call, standalone, in the anchor. This class inside
+the engine, fa3 and fa2 (neither installed on the GPU machine), soft-cap and windows await a GPU run.
+CUDA graphs are not declared (FA4's split heuristic reads max_seqlen_k, a host int a graph would freeze);
+decode runs eagerly until verified. FP8 KV is refused by the plugin's check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pagedllm.plugins.attention import flash_attn as registration
+from pagedllm.protocols.attention import AttentionLayerConfig, CommonAttentionMetadata
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class FlashAttnMetadata:
+    common: CommonAttentionMetadata
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32, fa2 only
+
+
+class FlashAttnImpl:
+    """One layer: reshape_and_cache, then one paged varlen call over the whole batch."""
+
+    def __init__(self, layer: AttentionLayerConfig, variant: registration.Variant, fn: Any) -> None:
+        self.variant, self.fn = variant, fn
+        self.num_heads = layer.num_heads
+        self.head_size = layer.head_size
+        self.scale = layer.scale
+        self.window_left = layer.sliding_window - 1 if layer.sliding_window else None
+        self.soft_cap = layer.logits_soft_cap
+        self._timed = False
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashAttnMetadata,
+    ) -> torch.Tensor:
+        """Write key/value at metadata's slots, then attend causally over each request's whole context."""
+        from pagedllm.plugins.attention.triton_kernels import reshape_and_cache
+
+        common = metadata.common
+        num_tokens = common.num_actual_tokens
+        reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, common.slot_mapping)
+        out = torch.zeros_like(query) if query.shape[0] > num_tokens else torch.empty_like(query)
+        if not self._timed:  # first call compiles (fa4: CuTe DSL JIT, 3-6 s per shape): say so once
+            torch.cuda.synchronize(query.device)
+            t0 = time.perf_counter()
+            self._attend(query[:num_tokens], kv_cache, out[:num_tokens], metadata)
+            torch.cuda.synchronize(query.device)
+            self._timed = True
+            logger.info("flash_attn %s: first call took %.1f s", self.variant.name, time.perf_counter() - t0)
+        else:
+            self._attend(query[:num_tokens], kv_cache, out[:num_tokens], metadata)
+        return out
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, md: FlashAttnMetadata) -> None:
+        # q arrives as a strided view of the fused qkv rows; the kernels are only known to take packed rows.
+        q = q.contiguous()
+        common = md.common
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        reqs = common.num_reqs
+        qsl = common.query_start_loc[: reqs + 1]
+        seq_lens = common.seq_lens[:reqs]
+        table = common.block_table[:reqs]
+        name = self.variant.name
+        if name == "fa4":
+            # Exactly the anchor's keywords (fa4_test.py), plus softcap / window_size_left.
+            self.fn(q, k_cache, v_cache, cu_seqlens_q=qsl, seqused_k=seq_lens, max_seqlen_q=common.max_query_len,
+                    page_table=table, softmax_scale=self.scale, causal=True, softcap=self.soft_cap,
+                    window_size_left=self.window_left, out=out)
+            return
+        window = (self.window_left if self.window_left is not None else -1, -1)
+        if name == "fa3":
+            res = self.fn(q, k_cache, v_cache, cache_seqlens=seq_lens, page_table=table, cu_seqlens_q=qsl,
+                          max_seqlen_q=common.max_query_len, softmax_scale=self.scale, causal=True,
+                          window_size=window, softcap=self.soft_cap or 0.0)
+        else:
+            res = self.fn(q, k_cache, v_cache, qsl, md.cu_seqlens_k, common.max_query_len, common.max_seq_len,
+                          softmax_scale=self.scale, causal=True, window_size=window,
+                          softcap=self.soft_cap or 0.0, block_table=table)
+        out.copy_(res[0] if isinstance(res, tuple) else res)
+
+
+def _function(variant: registration.Variant) -> Any:
+    """The variant's paged entry point, imported on first use (fa4's import alone takes 8-9 s)."""
+    if variant.name == "fa4":
+        # Keep compiled CuTe DSL kernels on disk for later processes (the anchor's compile-cache switch).
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    t0 = time.perf_counter()
+    module = importlib.import_module(variant.module)
+    logger.info("flash_attn: using %s, imported in %.1f s", variant.label(), time.perf_counter() - t0)
+    attr = {"fa4": "_flash_attn_fwd", "fa3": "flash_attn_with_kvcache", "fa2": "flash_attn_varlen_func"}
+    return getattr(module, attr[variant.name])
+
+
+class FlashAttnBackend:
+    """FlashAttention paged varlen: fp16/bf16, GQA, sliding window, soft-cap; eager decode."""
+
+    name: ClassVar[str] = "flash_attn"
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The torch backend's layout: K and V stacked on a leading axis of 2, each NHD pages."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def build_metadata(common: CommonAttentionMetadata) -> FlashAttnMetadata:
+        """fa2 also wants cumulative context lengths (computed on the device); the rest is the common tensors."""
+        cu_k = None
+        variant = _current_variant(common.block_table.device, common.block_size)
+        if variant.name == "fa2":
+            seq_lens = common.seq_lens[: common.num_reqs]
+            cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+        return FlashAttnMetadata(common, cu_k)
+
+    @staticmethod
+    def make_impl(layer: AttentionLayerConfig) -> FlashAttnImpl:
+        """One impl per attention layer, bound to the variant this GPU uses."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        variant = _current_variant(device, None)
+        return FlashAttnImpl(layer, variant, _loaded(variant))
+
+
+_functions: dict[str, Any] = {}
+
+
+def preload() -> None:
+    """Import the library this machine would use now, so a broken install fails when the backend is loaded."""
+    variants = registration.installed_variants()
+    if not variants:
+        raise ImportError("no FlashAttention library is installed (see pagedllm.plugins.attention.flash_attn)")
+    if torch.cuda.is_available():
+        _loaded(_current_variant(torch.device("cuda", torch.cuda.current_device()), None))
+    else:
+        _loaded(variants[0])
+
+
+def _loaded(variant: registration.Variant) -> Any:
+    if variant.name not in _functions:
+        _functions[variant.name] = _function(variant)
+    return _functions[variant.name]
+
+
+def _current_variant(device: torch.device, block_size: int | None) -> registration.Variant:
+    """The installed variant that runs on `device` (and `block_size`, when known); selection checked this."""
+    cc = torch.cuda.get_device_capability(device)
+    for variant in registration.installed_variants():
+        if variant.min_cc <= cc and cc[0] <= variant.max_major and (
+            block_size is None or block_size % variant.page_multiple == 0
+        ):
+            return variant
+    raise RuntimeError(f"no installed FlashAttention variant runs on compute capability {cc}")
