@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,18 @@ class KVCacheSpec:
     @property
     def page_size_bytes(self) -> int:
         raise NotImplementedError
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks one request of `num_tokens` tokens holds at once, computing <= max_chunk per step.
+
+        The default grows with the length (every token keeps its slot); layer types that drop old blocks
+        or keep a constant state override it. Capacity planning (kv_cache/capacity.py) sums it over groups.
+        """
+        return -(-num_tokens // self.block_size)
+
+    def own_cache_shape(self, num_blocks: int) -> tuple[int, ...] | None:
+        """The layer's cache tensor shape when the spec fixes it; None lets the attention backend choose."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,52 @@ class SlidingWindowSpec(AttentionSpec):
     """Attention over the last `sliding_window` tokens: older blocks can be released."""
 
     sliding_window: int = 0
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The window bound: a step computing c tokens holds the window - 1 positions before them plus the c.
+
+        Blocks wholly before position computed - window + 1 are released before each step allocates, so at
+        most cdiv(window - 1 + c, block_size) + 1 blocks are held (ceil(window / block_size) + 1 when
+        decoding, c = 1), never more than the length itself needs.
+        """
+        whole = -(-num_tokens // self.block_size)
+        bound = -(-(self.sliding_window - 1 + max(max_chunk, 1)) // self.block_size) + 1
+        return min(whole, bound)
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A Mamba layer's recurrent state: a constant size per request, however long the request grows.
+
+    One block holds one request's whole state for this layer (conv state + SSM state), so a request holds
+    exactly one real block per Mamba group. `block_size` is only the token granularity of the block table:
+    the manager pads a request's list with the null block so the table stays index-aligned with positions
+    (see plugins/kvmanagers/mamba_manager.py); padding costs no memory.
+    """
+
+    conv_state_shape: tuple[int, ...]  # (conv channels, conv kernel - 1)
+    ssm_state_shape: tuple[int, ...]  # Mamba-1 (channels, state size); Mamba-2 (heads, head dim, state size)
+    dtype: torch.dtype
+
+    @property
+    def conv_state_numel(self) -> int:
+        return math.prod(self.conv_state_shape)
+
+    @property
+    def ssm_state_numel(self) -> int:
+        return math.prod(self.ssm_state_shape)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return (self.conv_state_numel + self.ssm_state_numel) * _itemsize(self.dtype)
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """One: the state block. The null-block padding of the list holds no memory."""
+        return 1
+
+    def own_cache_shape(self, num_blocks: int) -> tuple[int, ...] | None:
+        # One row per block: the conv state then the SSM state, flattened (the layer views the two apart).
+        return (num_blocks, self.conv_state_numel + self.ssm_state_numel)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
