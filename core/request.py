@@ -62,6 +62,10 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    # Draft tokens a proposer guessed after the last step, verified by the next one (speculative decoding).
+    # They are not part of the sequence: never hashed, never in all_token_ids; the scheduler schedules them
+    # after the known tokens and drops the rejected ones after the step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -78,6 +82,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the draft tokens waiting to be verified."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
 
     @property
     def max_tokens(self) -> int:

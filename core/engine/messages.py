@@ -37,6 +37,9 @@ class SchedulerOutput:
     # Requests that ended (or were preempted) since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: the draft tokens scheduled for verification, per request (counted in
+    # num_scheduled_tokens, after the request's known tokens). Requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -57,7 +60,11 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # One list per request: the tokens sampled this step (empty while a prompt is still being prefilled).
     sampled_token_ids: list[list[int]]
-    logprobs: list[LogprobsEntry | None]
+    # One entry per request: None, or one LogprobsEntry per sampled token (several when drafts were accepted).
+    logprobs: list[list[LogprobsEntry] | None]
+    # Speculative decoding: per request, the draft tokens proposed for the next step (empty: none). Empty
+    # list when speculation is off.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -78,12 +78,7 @@ class Sampler:
         # Logprobs describe the model's own distribution, before any penalty or filter (vLLM's default).
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
 
-        if self.logits_processors:
-            # A copy, so processors may edit in place while the caller's logits stay untouched.
-            logits = apply_logits_processors(logits.clone(), self.logits_processors, metadata.logits_batch)
-        logits = apply_min_tokens(logits, metadata)
-        logits = apply_penalties(logits, metadata)
-        sampled = self.sample(logits, metadata)
+        sampled = self.sample(self.process(logits, metadata), metadata)
 
         logprobs = None
         if raw_logprobs is not None:
@@ -91,20 +86,36 @@ class Sampler:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    def process(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Logits processors, min_tokens and penalties: the logits greedy rows take the argmax of.
+
+        `logits` itself is not modified. Speculative verification calls this too, so its target
+        distribution is the one plain sampling draws from.
+        """
+        if self.logits_processors:
+            # A copy, so processors may edit in place while the caller's logits stay untouched.
+            logits = apply_logits_processors(logits.clone(), self.logits_processors, metadata.logits_batch)
+        logits = apply_min_tokens(logits, metadata)
+        return apply_penalties(logits, metadata)
+
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax. Random rows: temperature, min_p, top-k/top-p, then an exponential race."""
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         if greedy is not None and metadata.all_greedy:
             return greedy
-
-        logits = logits / metadata.temperature.unsqueeze(1)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+        random = exponential_race(sampling_probs(logits, metadata), metadata.generators)
         return random if greedy is None else torch.where(metadata.greedy_mask, greedy, random)
+
+
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, min_p, top-k/top-p, softmax (greedy rows: T=1)."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -103,6 +103,7 @@ class SchedulerBase:
         request.status = RequestStatus.PREEMPTED
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # the runner forgets the request, and with it the drafts' probabilities
         request.num_preemptions += 1
         self._stats.num_preemptions += 1
         self._in_runner.discard(request.request_id)
@@ -118,8 +119,16 @@ class SchedulerBase:
         """
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
+            # Tokens scheduled past the known ones are drafts (a policy that counts num_tokens_with_spec);
+            # drafts the budget left out are dropped: a proposal is only good for the step after it.
+            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+            assert num_spec <= len(req.spec_token_ids), f"{rid}: {n} tokens scheduled beyond its drafts"
+            del req.spec_token_ids[num_spec:]
+            if num_spec:
+                spec_tokens[rid] = list(req.spec_token_ids)
             block_ids = self.kv.get_block_ids(rid)
             if rid in self._in_runner:
                 sent = self._sent_blocks[rid]
@@ -147,6 +156,7 @@ class SchedulerBase:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self._finished_ids, self._preempted_ids = set(), set()
         self._stats.num_steps += 1
@@ -158,6 +168,8 @@ class SchedulerBase:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        proposals = runner_output.spec_token_ids
         for i, rid in enumerate(runner_output.req_ids):
             req = self.requests.get(rid)
             sampled = runner_output.sampled_token_ids[i]
@@ -165,21 +177,32 @@ class SchedulerBase:
                 continue  # aborted during the step, or a prefill chunk that is not the last
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted after being scheduled: its sample is recomputed later
+            num_drafts = len(spec_scheduled.get(rid, ()))
+            if num_drafts:
+                # Verification emitted the accepted drafts plus one token; the rejected drafts' KV slots
+                # are rolled back (overwritten later; never hashed, see kv_cache_manager.allocate_slots).
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= num_drafts - num_accepted
+                self._stats.record_spec_decode(num_drafts, num_accepted)
+            req.spec_token_ids = []
             new_tokens: list[int] = []
             for token in sampled:
                 req.output_token_ids.append(token)
                 new_tokens.append(token)
                 if check_stop(req, self.max_model_len):
-                    break
+                    break  # a stop inside the accepted tokens truncates them
             lp = runner_output.logprobs[i]
             out = EngineCoreOutput(
-                rid, new_tokens, [lp] if lp is not None else [], num_cached_tokens=max(req.num_cached_tokens, 0)
+                rid, new_tokens, lp[: len(new_tokens)] if lp is not None else [],
+                num_cached_tokens=max(req.num_cached_tokens, 0),
             )
             if req.is_finished():
                 out.finish_reason = req.get_finish_reason()
                 out.stop_reason = req.stop_reason
                 self.running.remove(req)
                 self._free(req)
+            elif proposals and proposals[i]:
+                req.spec_token_ids = list(proposals[i])
             outputs.append(out)
         return outputs
 

@@ -1,7 +1,7 @@
 """FCFS continuous batching with chunked prefill and preemption by recompute (vLLM V1's default policy).
 
-One token budget per step is shared by everything: a decoding request costs 1, a prefill costs its prompt
-(or the chunk of it that still fits). RUNNING requests go first, in admission order; WAITING requests are
+One token budget per step is shared by everything: a decoding request costs 1 (plus its draft tokens when
+speculative decoding proposed some), a prefill costs its prompt (or the chunk of it that still fits). RUNNING requests go first, in admission order; WAITING requests are
 admitted while budget, `max_num_seqs` and KV blocks last. When a running request cannot get a block, the
 most recently admitted running request is preempted (its blocks freed, recomputed later) until it can.
 """
@@ -23,7 +23,8 @@ class FCFSScheduler(SchedulerBase):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Draft tokens (speculative decoding) ride along: they cost budget and KV slots like any token.
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1  # NOTE: only possible for a request whose sample is still pending; skip it
                 continue

@@ -52,6 +52,25 @@ class _EngineStatsCollector:
                       s.num_preemptions)
         yield gauge("pagedllm:engine_healthy", "1 while the engine-core process is alive.",
                     1.0 if self.engine.healthy else 0.0)
+        yield from _spec_decode_metrics(s, model, gauge, counter)
+
+
+def _spec_decode_metrics(s: Any, model: str, gauge: Any, counter: Any) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names): drafts verified, draft tokens, accepted ones, by position."""
+    yield counter("pagedllm:spec_decode_num_drafts", "Draft verifications (one per request per step).",
+                  s.spec_num_drafts)
+    yield counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens)
+    yield counter("pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+    per_pos = CounterMetricFamily("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft (0 = first).",
+                                  labels=["model_name", "position"])
+    for position, n in enumerate(s.spec_accepted_per_position):
+        per_pos.add_metric([model, str(position)], n)
+    yield per_pos
+    yield gauge("pagedllm:spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.",
+                s.spec_acceptance_rate)
+    yield gauge("pagedllm:spec_decode_mean_accepted_length", "Drafts accepted per verification since start.",
+                s.spec_mean_accepted_length)
 
 
 class ServerMetrics:

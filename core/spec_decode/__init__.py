@@ -1,0 +1,1 @@
+"""Speculative decoding: proposer protocol, the runner's verification step, and engine wiring."""
