@@ -67,7 +67,7 @@ class TPWorker:
         for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids):
             state = states.get(rid)
             if tokens and state is not None and len(state.output_token_ids) >= len(tokens):
-                state.output_token_ids[-len(tokens) :] = tokens
+                state.replace_last_outputs(tokens)
 
     def close(self) -> None:
         destroy_tensor_parallel()
