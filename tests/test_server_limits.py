@@ -81,9 +81,11 @@ def test_engine_core_death_fails_pending_fast_and_health_reports(server: LiveSer
 
     async def run() -> float:
         async with httpx.AsyncClient(timeout=60) as http:
-            started = asyncio.Event()
-            tasks = [asyncio.create_task(stream_one(http, started)) for _ in range(MAX_NUM_SEQS)]
-            await asyncio.wait_for(started.wait(), timeout=120)
+            # Kill only once every stream is running: on a loaded machine a request still on its way would
+            # otherwise meet the dead engine at admission (a 503), which is the other half of this test.
+            started = [asyncio.Event() for _ in range(MAX_NUM_SEQS)]
+            tasks = [asyncio.create_task(stream_one(http, ev)) for ev in started]
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout=120)
             os.kill(server.engine_core_pid(), signal.SIGKILL)
             t0 = time.monotonic()
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
