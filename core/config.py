@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class _Section(BaseModel):
@@ -38,7 +38,30 @@ class KVCacheConfigSection(_Section):
     memory_gb: float = Field(1.0, gt=0, description="KV-cache budget on CPU (GiB)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="fraction of GPU memory to use")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
-    cache_dtype: str = Field("auto", description="'auto' = the model dtype")
+    cache_dtype: str = Field(
+        "auto",
+        description="KV-cache element type: 'auto' = the model dtype; 'fp8' (= 'fp8_e4m3') stores K and V as "
+        "float8_e4m3fn with a per-tensor scale, doubling the tokens a 16-bit cache holds",
+    )
+    disable_sliding_window: bool = Field(
+        False,
+        description="keep every block of sliding-window layers (treat them as full attention for memory; "
+        "the window is still applied); for comparing memory use",
+    )
+
+    @field_validator("cache_dtype")
+    @classmethod
+    def _cache_dtype(cls, v: str) -> str:
+        # One spelling downstream: the selection context and the backends' checks see 'fp8_e4m3'.
+        name = v.strip().lower()
+        name = _CACHE_DTYPE_ALIASES.get(name, name)
+        if name not in _CACHE_DTYPES:
+            raise ValueError(f"'{v}' is not a KV-cache dtype; use auto, fp8 (fp8_e4m3), float16, bfloat16 or float32")
+        return name
+
+
+_CACHE_DTYPES = ("auto", "fp8_e4m3", "float16", "bfloat16", "float32")
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "half": "float16", "bf16": "bfloat16"}
 
 
 class SchedulerConfig(_Section):
@@ -64,6 +87,47 @@ class QuantizationSection(_Section):
     method: str | None = Field(None, description="force a quantization method; None = from the checkpoint")
 
 
+class ParallelConfig(_Section):
+    """How many processes serve the model: tensor-parallel ranks per replica, data-parallel replicas."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks that split every layer (heads, MLP columns, vocabulary); one process each"
+    )
+    data_parallel_size: int = Field(1, ge=1, description="independent engine replicas behind one frontend (Ray)")
+    executor: str | None = Field(
+        None, description="executor plugin (uniproc, multiproc, ray); None = uniproc at tp 1, else multiproc"
+    )
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding: a proposer plugin guesses tokens, the target verifies them in one pass.
+
+    Off while `method` is None. The output distribution is the target's exactly (rejection sampling), so
+    these settings change speed only, never what is generated.
+    """
+
+    method: str | None = Field(None, description="proposer plugin name (ngram, draft); None = off")
+    num_speculative_tokens: int = Field(3, ge=1, le=64, description="tokens proposed per request per step (k)")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix n-gram to look up")
+    prompt_lookup_max: int = Field(4, ge=1, validate_default=True, description="ngram: longest suffix n-gram to look up (tried first)")
+    draft_model: str | None = Field(None, description="draft: folder of a smaller model sharing the tokenizer")
+    draft_load_format: str | None = Field(None, description="draft: loader plugin name; None = by path")
+
+    @field_validator("prompt_lookup_max")
+    @classmethod
+    def _lookup_range(cls, v: int, info: ValidationInfo) -> int:
+        # A field validator (not a model one) so the error names speculative.prompt_lookup_max.
+        low = info.data.get("prompt_lookup_min")
+        if low is not None and v < low:
+            raise ValueError(f"must be >= prompt_lookup_min ({low})")
+        return v
+
+    @field_validator("draft_model")
+    @classmethod
+    def _expand_draft(cls, v: str | None) -> str | None:
+        return os.path.expanduser(v) if v else v
+
+
 class EngineConfig(_Section):
     model: str | None = Field(None, description="model folder, .gguf file or alias; None = embedded default")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model's own")
@@ -75,6 +139,11 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(None, ge=1, description="context length cap; None = the model's")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (decode runs eagerly)")
+    fused_ops: bool = Field(
+        True,
+        description="on CUDA, run RMSNorm(+residual), rotary and SiLU/GELU-and-mul as fused Triton kernels "
+        "(false: the torch ops, for A/B runs; the CPU always uses torch)",
+    )
     cuda_graph_sizes: list[int] | None = Field(
         None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"
     )
@@ -83,6 +152,8 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     logits_processors: list[str] = Field(
         default_factory=list,
         description="logits processor plugins to run, in order, before penalties and temperature",
@@ -272,6 +343,7 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "gpu_memory_utilization": "kv_cache.gpu_memory_utilization",
         "kv_cache_memory_gb": "kv_cache.memory_gb",
         "kv_cache_dtype": "kv_cache.cache_dtype",
+        "disable_sliding_window": "kv_cache.disable_sliding_window",
         "max_num_seqs": "scheduler.max_num_seqs",
         "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
         "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
@@ -280,6 +352,14 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "load_format": "loader.name",
         "loader_name": "loader.name",
         "quantization": "quantization.method",
+        "speculative_method": "speculative.method",
+        "num_speculative_tokens": "speculative.num_speculative_tokens",
+        "draft_model": "speculative.draft_model",
+        "prompt_lookup_min": "speculative.prompt_lookup_min",
+        "prompt_lookup_max": "speculative.prompt_lookup_max",
+        "tensor_parallel_size": "parallel.tensor_parallel_size",
+        "data_parallel_size": "parallel.data_parallel_size",
+        "distributed_executor_backend": "parallel.executor",
     }
     out: dict[str, Any] = {}
     for key, value in kwargs.items():

@@ -21,8 +21,9 @@ Which process a hook fires in: the one where the event happens. With the offline
 the one process. Behind `pagedllm serve` the engine core runs in its own process (core_proc.py): the plugin
 is loaded in both, `step_stats` and the logits processors run in the engine-core process, while
 `engine_started`/`engine_stopped`, `request_added`, `request_finished` and `server_app_created` run in the
-API process. `config_loaded` fires in each process that builds from the config. A hook must not assume
-shared memory with the other process.
+API process. `config_loaded` fires in each process that builds from the config (with tensor parallelism,
+every rank's process too; with data parallelism, every replica's). A hook must not assume shared memory with
+the other process.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ Register = Callable[..., None]
 
 @hookspec
 def register_attention_backends(register: Register) -> None:
-    """Register attention backends. check() receives an `AttentionSelectionContext`."""
+    """Register attention backends. check() receives an `AttentionSelectionContext`.
+
+    A backend whose rank depends on the machine may pass `priority_for=<callable(context) -> int>` as meta;
+    the selector then ranks it by that instead of the fixed `priority` (pagedllm.selector.effective_priority).
+    """
 
 
 @hookspec
@@ -85,6 +90,25 @@ def register_logits_processors(register: Register) -> None:
     `load()` returns a class built once per engine as `cls(LogitsProcessorContext)` (pagedllm.sample.
     logits_processor) whose `apply(logits, batch) -> logits` runs on each step's [B, V] float32 logits before
     penalties and temperature. Pass `config_model=` to validate its `plugins.<name>` section.
+    """
+
+
+@hookspec
+def register_executors(register: Register) -> None:
+    """Register executors: how one engine replica runs its tensor-parallel ranks (pagedllm.protocols.executor).
+
+    check() receives the config's `parallel` section; the config's `parallel.executor` names one, else the
+    highest-priority executor whose check passes is used.
+    """
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers, selected by the config's `speculative.method`.
+
+    `load()` returns a class built once per engine as `cls(ProposerContext)` (pagedllm.spec_decode.proposer)
+    that guesses the next tokens of each request; the target model verifies them and rejection sampling
+    keeps its output distribution exact. check() receives the config's `SpeculativeConfig` section.
     """
 
 

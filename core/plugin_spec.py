@@ -18,6 +18,8 @@ class PluginKind(enum.StrEnum):
     MODEL = "model"
     ENTRYPOINT = "entrypoint"
     LOGITS_PROCESSOR = "logits_processor"
+    PROPOSER = "proposer"
+    EXECUTOR = "executor"
 
     @property
     def hook_name(self) -> str:
@@ -37,6 +39,8 @@ _HOOKS = {
     PluginKind.MODEL: "register_models",
     PluginKind.ENTRYPOINT: "register_entrypoints",
     PluginKind.LOGITS_PROCESSOR: "register_logits_processors",
+    PluginKind.PROPOSER: "register_proposers",
+    PluginKind.EXECUTOR: "register_executors",
 }
 _GROUPS = {
     PluginKind.ATTENTION: "pagedllm.attention_backends",
@@ -47,6 +51,8 @@ _GROUPS = {
     PluginKind.MODEL: "pagedllm.models",
     PluginKind.ENTRYPOINT: "pagedllm.entrypoints",
     PluginKind.LOGITS_PROCESSOR: "pagedllm.logits_processors",
+    PluginKind.PROPOSER: "pagedllm.proposers",
+    PluginKind.EXECUTOR: "pagedllm.executors",
 }
 # A light structural check at resolve time (STYLE.md failure policy): the names each kind's `load()` result
 # must carry, so a registration whose load() gives the wrong thing fails when resolved, naming its plugin and
@@ -58,7 +64,9 @@ _REQUIRED: dict[PluginKind, tuple[str, ...]] = {
     PluginKind.LOADER: ("load_info", "load_weights"),
     PluginKind.KV_MANAGER: ("allocate_new_blocks", "free", "get_blocks"),
     PluginKind.LOGITS_PROCESSOR: ("apply",),
+    PluginKind.PROPOSER: ("propose", "remove_requests"),
     PluginKind.ENTRYPOINT: ("__call__",),
+    PluginKind.EXECUTOR: ("start", "bind", "execute_model", "check_health", "shutdown"),
 }
 
 

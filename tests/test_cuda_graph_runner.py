@@ -67,3 +67,22 @@ def test_padding_rows_are_harmless_decodes() -> None:
     out = impl.forward(q[:2], k[:2], v[:2], cache.clone(), TorchSDPABackend.build_metadata(plain.attn))
     assert torch.allclose(out_pad[:2], out, atol=1e-6)
     assert torch.isfinite(out_pad).all()
+
+
+def test_profile_batch_stays_within_positions_and_disjoint_blocks() -> None:
+    """The memory-profiling step of a 16,384-token budget on an 8,192-position model (the H200 default) is cut
+    into sequences that never index positions past the model's end, over blocks no two sequences share."""
+    from pagedllm.worker.model_runner import profile_batch
+
+    for num_tokens, max_len, sizes in ((16384, 8192, [16]), (100, 30, [4, 8]), (7, None, [16])):
+        lens, tables = profile_batch(num_tokens, max_len, sizes)
+        assert sum(lens) == num_tokens and max(lens) <= (max_len or num_tokens)
+        more = list(zip(tables[1:], sizes[1:], strict=True))
+        inputs = prepare_inputs([[0] * n for n in lens], [0] * len(lens), lens, tables[0], sizes[0],
+                                CPU, 0, more)
+        assert int(inputs.positions.max()) < (max_len or num_tokens)
+        for table in tables:
+            flat = [b for row in table for b in row]
+            assert len(flat) == len(set(flat)) and min(flat) >= 1  # block 0 is the null block
+        slots = inputs.attn.slot_mapping.tolist()
+        assert len(slots) == len(set(slots)) == num_tokens

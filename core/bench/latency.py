@@ -109,6 +109,10 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     report.print_table(f"latency, batch {args.batch_size} ({threads} threads, {report.cpu_model()})",
                        results, _COLUMNS)
     report.print_ratios(out["ratios"])
+    kv = results[OURS].get("kv", {})
+    if "spec_acceptance_rate" in kv:
+        print(f"speculative decoding: {kv['spec_acceptance_rate']:.1%} of drafts accepted, "
+              f"{kv['spec_mean_accepted_length']:.2f} accepted per verification")
     print(f"load average before {load_before}, after {out['load_average_after']}")
     if args.json_out:
         report.write_json(args.json_out, out)

@@ -72,6 +72,7 @@ class BenchTarget:
             "num_kv_blocks": parts.num_blocks,
             "enable_prefix_caching": cfg.kv_cache.enable_prefix_caching,
             "max_model_len": parts.max_model_len,
+            "speculative": cfg.speculative.model_dump() if cfg.speculative.method else None,
             "plugins": {key: sel.winner.name for key, sel in parts.selections.items()},
             "build_seconds": round(self.build_seconds, 2),
         }
@@ -84,6 +85,9 @@ class BenchTarget:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_steps": stats.num_steps,
+            "spec_num_drafts": stats.spec_num_drafts,
+            "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
         }
 
     def generate(self, workload: Workload, temperature: float = 0.0) -> list[Any]:
@@ -112,6 +116,9 @@ def kv_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     d = {k: after[k] - before[k] for k in before}
     queries = d["prefix_cache_queries"]
     d["prefix_cache_hit_rate"] = d["prefix_cache_hits"] / queries if queries else 0.0
+    if d.get("spec_num_drafts"):  # speculative decoding: this run's acceptance
+        d["spec_acceptance_rate"] = d["spec_num_accepted_tokens"] / d["spec_num_draft_tokens"]
+        d["spec_mean_accepted_length"] = d["spec_num_accepted_tokens"] / d["spec_num_drafts"]
     return d
 
 

@@ -28,6 +28,14 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget per step"),
     "--load-format": ("loader.name", str, "loader plugin name (hf, gguf, dummy)"),
     "--quantization": ("quantization.method", str, "force a quantization method"),
+    "--speculative-method": ("speculative.method", str, "speculative decoding proposer (ngram, draft)"),
+    "--num-speculative-tokens": ("speculative.num_speculative_tokens", int, "draft tokens per step (k)"),
+    "--speculative-draft-model": ("speculative.draft_model", str, "draft model folder (method draft)"),
+    "--prompt-lookup-min": ("speculative.prompt_lookup_min", int, "ngram: shortest n-gram looked up"),
+    "--prompt-lookup-max": ("speculative.prompt_lookup_max", int, "ngram: longest n-gram looked up"),
+    "--tensor-parallel-size": ("parallel.tensor_parallel_size", int, "ranks (processes) per replica"),
+    "--data-parallel-size": ("parallel.data_parallel_size", int, "engine replicas (on Ray)"),
+    "--distributed-executor-backend": ("parallel.executor", str, "executor plugin (uniproc, multiproc, ray)"),
 }
 
 

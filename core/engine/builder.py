@@ -7,6 +7,7 @@ Each choice is kept as a `Selection`, so `pagedllm config show` can say what was
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -18,10 +19,16 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import resolve_model_reference
-from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCacheManager
-from pagedllm.kv_cache.spec import KVCacheSpec
+from pagedllm.distributed.communication import tp_min
+from pagedllm.distributed.shard_check import check_tensor_parallel
+from pagedllm.kv_cache.capacity import KVCapacity
+from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
+from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
+from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedllm.layers.fused_ops import set_fused_ops
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
+from pagedllm.protocols.executor import ExecutorContext
 from pagedllm.protocols.loader import LoadedModelInfo
 from pagedllm.protocols.model import ModelBuildContext
 from pagedllm.sched.base import SchedulerContext
@@ -51,6 +58,9 @@ class EngineParts:
     dtype: torch.dtype
     selections: dict[str, Selection] = field(default_factory=dict)
     load_seconds: float = 0.0
+    executor: Any = None  # runs the model on every tensor-parallel rank (pagedllm.protocols.executor)
+    tp_size: int = 1
+    capacity: KVCapacity | None = None  # what the KV pool holds, per group (the start-up report)
 
     def describe(self) -> str:
         lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
@@ -59,6 +69,8 @@ class EngineParts:
             f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens = "
             f"{self.num_blocks * self.block_size} token slots; max_model_len {self.max_model_len}"
         )
+        if self.capacity is not None:
+            lines.append(self.capacity.describe(self.max_model_len))
         return "\n".join(lines)
 
 
@@ -84,6 +96,38 @@ def select_loader(pm: PluginManager, config: EngineConfig, model_ref: str) -> Se
 
 
 def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> EngineParts:
+    """The engine core's build: its executor first (remote tensor-parallel ranks start and this process joins
+    their group as rank 0), then rank 0's parts; the executor is shut down if anything fails."""
+    pm = pm or get_plugin_manager()
+    parallel = config.parallel
+    speculative = getattr(getattr(config, "speculative", None), "method", None)
+    if speculative and parallel.tensor_parallel_size > 1:
+        # The proposer and the verification live in rank 0's runner only; the other ranks would run a
+        # different batch and their collectives would never match.
+        raise ValueError(
+            f"speculative.method '{speculative}' with parallel.tensor_parallel_size "
+            f"{parallel.tensor_parallel_size} is not supported (speculation runs on one rank)"
+        )
+    sel = select(pm, PluginKind.EXECUTOR, parallel, requested=parallel.executor)
+    executor = sel.load()(ExecutorContext(config))
+    try:
+        executor.start()
+        parts = build_engine_parts(config, pm, tp_rank=0)
+        executor.bind(parts.runner)
+    except BaseException:
+        executor.shutdown()
+        raise
+    parts.executor = executor
+    parts.selections = {"executor": sel, **parts.selections}
+    return parts
+
+
+def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *, tp_rank: int = 0) -> EngineParts:
+    """One rank's engine: model shard, KV cache, runner (and the scheduler, used on rank 0 only).
+
+    Every rank runs this same build so shapes, block counts and captured graphs agree; a process with
+    tensor_parallel_size > 1 must have joined the group first (pagedllm.distributed.parallel_state).
+    """
     t0 = time.perf_counter()
     pm = pm or get_plugin_manager()
     if config.num_threads:
@@ -97,13 +141,21 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     info: LoadedModelInfo = loader.load_info(model_ref, config.tokenizer)
     hf_config = info.hf_config
 
+    tp_size = config.parallel.tensor_parallel_size
+    check_tensor_parallel(hf_config, tp_size)
     archs = list(getattr(hf_config, "architectures", None) or [])
     selections["model"] = _select_architecture(pm, archs)
     model_cls = selections["model"].load()
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    num_attention_heads = getattr(hf_config, "num_attention_heads", None)
+    if num_attention_heads:
+        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_attention_heads
+    else:
+        # Attention-free models (Mamba): the backend only builds the step metadata, so ask with a head size
+        # every backend supports rather than a meaningless one that would rule out the CUDA-graph backends.
+        head_size = 128
     block_size = config.kv_cache.block_size
     attn_ctx = AttentionSelectionContext(
         device_type=device.type,
@@ -114,6 +166,8 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
         block_size=block_size,
         sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),
         logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
+        # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
+        cuda_graphs=device.type == "cuda" and not config.enforce_eager,
     )
     selections["attention"] = select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
     backend = selections["attention"].load()
@@ -134,34 +188,47 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     quant_options = {**(info.quantization_config or {}), **config.plugins.get(quant_name, {})}
     quant_config = None if quant_name == "none" else quant_cls.from_config(quant_options)
 
-    ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size)
+    ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size, tp_rank, tp_size)
     model = _build_model(model_cls, ctx)
     loader.load_weights(model, model_ref, info)
     model.eval()
+    # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
+    set_fused_ops(model, "auto" if config.fused_ops else "off")
 
     specs: list[KVCacheSpec] = model.kv_cache_specs()
-    groups = _group_specs(specs)
+    if config.kv_cache.disable_sliding_window:
+        specs = [_as_full_attention(s) for s in specs]
+    # `kv_cache.cache_dtype`: the attention specs' dtype sizes the pages (fp8: half a 16-bit page, so twice
+    # the blocks in the same memory) and the cache tensors; the chosen backend passed the same dtype in check().
+    specs = [_with_cache_dtype(s, config.kv_cache.cache_dtype) for s in specs]
+    # Groups by spec, split to equal sizes; groups of one page layout share cache tensors (kv_cache/layout.py).
+    layout = KVCacheLayout.plan(specs)
+    groups = layout.groups
+    bind_kv_groups(model, layout)
+    group_block_sizes = [g.spec.block_size for g in groups]
     factories = []
     for i, group in enumerate(groups):
         key = f"kv_manager[{i}]" if len(groups) > 1 else "kv_manager"
         selections[key] = _select_kv_manager(pm, group.spec)
         factories.append(selections[key].load())
 
-    num_blocks = _num_blocks(config, specs, device, lambda: profile_activation_bytes(
-        model, backend, specs, block_size, config.scheduler.max_num_batched_tokens,
-        config.scheduler.max_num_seqs, device))
+    num_blocks = _num_blocks(config, layout, device, lambda: profile_activation_bytes(
+        model, backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs, device, group_block_sizes,
+        config.max_model_len or getattr(hf_config, "max_position_embeddings", None)))
+    num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
     model_max = config.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 2048
-    # A request alone must always fit in the cache, or it could wait forever.
-    max_model_len = min(model_max, (num_blocks - 1) * block_size)
+    # A request alone must always fit in the cache, or it could wait forever. Window-aware: a sliding-window
+    # group holds a bounded number of blocks per request whatever its length (kv_cache/capacity.py).
+    capacity = KVCapacity(layout, num_blocks, config.scheduler.max_num_batched_tokens)
+    max_model_len = capacity.max_len(model_max)
     if config.max_model_len and config.max_model_len > max_model_len:
         raise ValueError(
-            f"max_model_len {config.max_model_len} needs {config.max_model_len // block_size + 1} KV blocks "
-            f"but the cache has {num_blocks}; raise kv_cache.memory_gb / num_blocks or lower max_model_len"
+            f"max_model_len {config.max_model_len} needs {capacity.blocks_per_request(config.max_model_len)} "
+            f"usable KV blocks but the cache has {num_blocks - 1}; raise kv_cache.memory_gb / num_blocks or "
+            "lower max_model_len"
         )
-    kv_caches = [
-        torch.zeros(backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size), dtype=s.dtype, device=device)  # type: ignore[attr-defined]
-        for s in specs
-    ]
+    kv_caches = layout.allocate(backend, num_blocks, device)
     kv_manager = KVCacheManager(
         KVCacheConfig(num_blocks, groups),
         factories,
@@ -183,12 +250,15 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
         cuda_graphs=not config.enforce_eager,
         graph_batch_sizes=tuple(config.cuda_graph_sizes) if config.cuda_graph_sizes else None,
     )
-    runner = ModelRunner(model, backend, kv_caches, block_size, device, vocab_size, options)
+    # The runner's block_size is group 0's (the config's, unless a layer type sets its own).
+    runner = ModelRunner(
+        model, backend, kv_caches, group_block_sizes[0], device, vocab_size, options, group_block_sizes
+    )
     if device.type == "cuda" and options.cuda_graphs:
         runner.capture_cuda_graphs()
     parts = EngineParts(
         config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
-        device, dtype, selections, time.perf_counter() - t0,
+        device, dtype, selections, time.perf_counter() - t0, tp_size=tp_size, capacity=capacity,
     )
     logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
     return parts
@@ -216,15 +286,23 @@ def _select_kv_manager(pm: PluginManager, spec: KVCacheSpec) -> Selection:
     raise SelectionError(f"no kv_manager plugin handles {type(spec).__name__}")
 
 
-def _group_specs(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
-    groups: dict[KVCacheSpec, list[int]] = {}
-    for i, spec in enumerate(specs):
-        groups.setdefault(spec, []).append(i)
-    return [KVCacheGroup(spec, layers) for spec, layers in groups.items()]
+def _with_cache_dtype(spec: KVCacheSpec, cache_dtype: str) -> KVCacheSpec:
+    """An attention spec stored in the configured KV-cache dtype ('auto' keeps the model's); others as they are."""
+    if cache_dtype == "auto" or not isinstance(spec, AttentionSpec):
+        return spec
+    kv_dtype = torch.float8_e4m3fn if cache_dtype == "fp8_e4m3" else _DTYPES[cache_dtype]
+    return dataclasses.replace(spec, dtype=kv_dtype)
+
+
+def _as_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
+    """`kv_cache.disable_sliding_window`: keep every block (the attention layer still applies its window)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return FullAttentionSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+    return spec
 
 
 def _num_blocks(
-    config: EngineConfig, specs: list[KVCacheSpec], device: torch.device, profile: Callable[[], int] | None = None
+    config: EngineConfig, layout: KVCacheLayout, device: torch.device, profile: Callable[[], int] | None = None
 ) -> int:
     """KV blocks from the config: forced, a CPU budget in GiB, or what a GPU has left after a profiling run.
 
@@ -234,13 +312,13 @@ def _num_blocks(
     """
     if config.kv_cache.num_blocks:
         return config.kv_cache.num_blocks
-    bytes_per_block = sum(s.page_size_bytes for s in specs)
+    bytes_per_block = layout.bytes_per_block  # one page per shared layer tensor
     if device.type == "cuda":
         activations = profile() if profile is not None else 0
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.kv_cache.gpu_memory_utilization - (total - free) - activations
         num_blocks = max(2, int(budget // bytes_per_block))
-        block_size = specs[0].block_size if specs else config.kv_cache.block_size
+        block_size = layout.groups[0].spec.block_size
         print(
             f"pagedllm: KV cache {num_blocks} blocks = {num_blocks * block_size:,} tokens "
             f"({num_blocks * bytes_per_block / (1 << 30):.1f} GiB; in use {(total - free) / (1 << 30):.1f} GiB, "

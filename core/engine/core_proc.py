@@ -68,6 +68,8 @@ def run_engine_core(config_dict: dict[str, Any], input_addr: str, output_addr: s
             logger.error("engine core crashed:\n%s", traceback.format_exc())
             out.send(encode(Fatal(f"engine core crashed: {type(exc).__name__}: {exc}")))
             raise SystemExit(1) from exc
+        finally:
+            core.shutdown()  # tensor-parallel ranks stop with the core
     finally:
         inp.close(linger=0)
         out.close()
@@ -84,6 +86,8 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
     pm = get_plugin_manager()
     config = EngineConfig.model_validate(config_dict)
     sections = pm.load_config(config)
+    if config.parallel.data_parallel_size > 1:
+        return _build_data_parallel(config, pm)
     parts = build_engine(config, pm)
     info = parts.info
     eos = set(info.eos_token_ids)
@@ -100,6 +104,28 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
         block_size=parts.block_size,
     )
     return EngineCore(parts, pm, sections), ready
+
+
+def _build_data_parallel(config: Any, pm: Any) -> tuple[Any, Ready]:
+    """This process routes requests to the replicas (Ray actors); the loop drives it like an EngineCore."""
+    from pagedllm.default_model import resolve_model_reference
+    from pagedllm.engine.dp_engine import build_data_parallel_core
+
+    core, info, _ = build_data_parallel_core(config, pm)
+    eos = set(info.eos_token_ids)
+    tok_eos = getattr(info.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        eos.add(int(tok_eos))
+    ready = Ready(
+        pid=os.getpid(),
+        model_name=resolve_model_reference(config.model),
+        max_model_len=core.max_model_len,
+        eos_token_ids=sorted(eos),
+        vocab_size=int(info.hf_config.vocab_size),
+        num_blocks=sum(r["num_blocks"] for r in core.info),
+        block_size=config.kv_cache.block_size,
+    )
+    return core, ready
 
 
 class EngineCoreLoop:

@@ -39,6 +39,9 @@ class EngineCore:
         self.pm = plugin_manager or get_plugin_manager()
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        # The executor runs every tensor-parallel rank; uniproc hands back runner.execute itself (no extra hop).
+        self.executor = parts.executor
+        self._execute = parts.executor.execute_model if parts.executor is not None else parts.runner.execute
         self._errors: list[EngineCoreOutput] = []
         models = self.pm.config_models()
         sections = plugin_sections if plugin_sections is not None else validate_plugin_sections(parts.config, models)
@@ -48,7 +51,36 @@ class EngineCore:
         sampler = getattr(self.runner, "sampler", None)
         if sampler is not None and self.logits_processors:
             sampler.logits_processors = self.logits_processors
+        if parts.config.speculative.method is not None:
+            self._enable_speculation()
         self._step_hook = self.pm.hook.step_stats
+
+    def _enable_speculation(self) -> None:
+        """Build the configured proposer and hand it to the (rank 0) runner, which verifies its drafts.
+
+        NOTE: built here, after the target's KV cache: a draft model's weights and cache must fit in what
+        the target left (on a GPU, lower kv_cache.gpu_memory_utilization to make room).
+        """
+        from pagedllm.kv_cache.spec import AttentionSpec
+        from pagedllm.spec_decode.proposer import build_proposer
+        from pagedllm.spec_decode.speculator import Speculator
+
+        spec = self.parts.config.speculative
+        # Rejected drafts are undone by rolling num_computed_tokens back over KV slots; a recurrent state
+        # (Mamba) has already absorbed them and cannot be rolled back.
+        kinds = {type(g.spec).__name__ for g in self.parts.kv_cache_manager.config.groups
+                 if not isinstance(g.spec, AttentionSpec)}
+        if kinds:
+            raise ValueError(
+                f"speculative.method {spec.method!r}: this model has {', '.join(sorted(kinds))} layers, whose "
+                "state cannot be rolled back past rejected drafts; speculative decoding needs attention layers"
+            )
+        proposer, selection = build_proposer(self.parts, self.pm)
+        self.parts.selections["proposer"] = selection
+        self.runner.speculator = Speculator(
+            proposer, spec.num_speculative_tokens, self.parts.max_model_len,
+            int(self.parts.info.hf_config.vocab_size),
+        )
 
     def _build_logits_processors(
         self, sections: Mapping[str, Any], models: Mapping[str, Any]
@@ -100,7 +132,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         if self._step_hook.get_hookimpls():  # stats cost a little: only gather them for a listener
             self._step_hook(
@@ -112,3 +144,8 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the executor's remote ranks (a no-op for the in-process executor); safe to call twice."""
+        if self.executor is not None:
+            self.executor.shutdown()

@@ -46,6 +46,10 @@ class LLMEngine:
             cfg = EngineConfig.from_file(config, overrides)
         else:
             cfg = EngineConfig.from_dict({}, overrides)
+        if cfg.parallel.data_parallel_size > 1 and cls is LLMEngine:
+            from pagedllm.engine.dp_engine import DataParallelLLMEngine  # imports this module
+
+            return DataParallelLLMEngine(cfg)
         return cls(cfg)
 
     @property
@@ -117,3 +121,4 @@ class LLMEngine:
         if not self._closed:
             self._closed = True
             self.pm.hook.engine_stopped(engine=self)
+            self.core.shutdown()

@@ -101,7 +101,9 @@ class OutputProcessor:
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
-                m.token_times.append(now)
+                # One stamp per token: a speculative step delivers several at once (gaps of 0 between them),
+                # so (last - first) / (n - 1) stays the mean time per token.
+                m.token_times.extend([now] * len(out.new_token_ids))
                 state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             sample.token_ids.extend(out.new_token_ids)
             self._add_logprobs(sample, out.new_logprobs)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.protocols.attention import AttentionLayerConfig, KVGroupMetadata
 from pagedllm.protocols.model import ModelBuildContext
 
 
@@ -16,7 +16,12 @@ class Attention(nn.Module):
 
     The layer holds no weights and no cache: the cache tensor arrives with every call, so the runner owns the
     memory and may re-allocate it (e.g. after profiling) without rebuilding the model.
+
+    `kv_group_id` is the KV-cache group whose block table this layer reads; the engine sets it
+    (kv_cache/layout.py `bind_kv_groups`) when the model's layers form several groups.
     """
+
+    kv_group_id: int = 0
 
     def __init__(
         self,
@@ -56,6 +61,8 @@ class Attention(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         """Write this step's K/V into the cache and attend over each request's context."""
+        if isinstance(attn_metadata, KVGroupMetadata):  # a hybrid model: this layer's group's tables
+            attn_metadata = attn_metadata.groups[self.kv_group_id]
         num_tokens = query.shape[0]
         out = self.impl.forward(
             query.reshape(num_tokens, self.num_heads, self.head_size),
@@ -68,4 +75,7 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         cfg = self.layer_config
-        return f"heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, window={cfg.sliding_window}"
+        return (
+            f"heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, "
+            f"window={cfg.sliding_window}, kv_group={self.kv_group_id}"
+        )

@@ -6,8 +6,9 @@ The vocabulary is padded up to a multiple of tp_size so every rank holds the sam
 
 A quantization config may keep the matrix quantized: if it has the optional hook
 `get_embedding_method(layer)`, the returned method owns the weight (`create_weights(layer, rows, cols,
-dtype)`, `embed(layer, ids)` for the lookup, `apply(layer, x)` for the LM head), and a tied LM head multiplies
-by the embedding's quantized copy.
+dtype)` with this rank's padded row count, `embed(layer, local_ids)` for the lookup, `apply(layer, x)` for the
+LM head's local logits), and a tied LM head multiplies by the embedding's quantized copy; the masking,
+all-reduce and all-gather stay here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import tp_all_gather, tp_all_reduce
+from pagedllm.distributed.communication import tp_all_gather, tp_all_reduce
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         hook = getattr(ctx.quant_config, "get_embedding_method", None)
         self.quant_method: Any = hook(self) if hook is not None else None
         if self.quant_method is not None:
-            self.quant_method.create_weights(self, num_embeddings, embedding_dim, ctx.dtype)
+            self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim, ctx.dtype)
             return
         self.weight = nn.Parameter(
             torch.zeros(self.num_embeddings_per_partition, embedding_dim, dtype=ctx.dtype),
@@ -58,15 +59,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""
-        if self.quant_method is not None:  # tp_size 1 (the method refuses more)
-            return self.quant_method.embed(self, input_ids)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local = torch.where(owned, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(out, self.tp_size)
+        rows = self._lookup(torch.where(owned, input_ids - self.vocab_start, 0))
+        return tp_all_reduce(rows * owned.unsqueeze(-1).to(rows.dtype), self.tp_size)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's part of the matrix (dense, or through the quantization method)."""
+        if self.quant_method is not None:
+            return self.quant_method.embed(self, local_ids)  # type: ignore[no-any-return]
+        return F.embedding(local_ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -89,7 +93,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] logits in the model dtype (padding columns dropped)."""
         source = getattr(self, "tied_embedding", self)
         if source.quant_method is not None:
-            return source.quant_method.apply(source, hidden_states)
-        logits = F.linear(hidden_states, self.weight)
+            logits = source.quant_method.apply(source, hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, self.tp_size, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -8,7 +8,7 @@ this rank's shard along the axis the method tagged as `output_dim` / `input_dim`
     RowParallel     W [out, in]: rank r holds columns r*in/tp  : (r+1)*in/tp    (input is sharded, sum-reduce)
 
 Column -> Row pairs (qkv -> o, gate_up -> down) need no communication in between; only the Row layer
-all-reduces its partial sums (`tp_all_reduce`, the one place torch.distributed is touched).
+all-reduces its partial sums (`tp_all_reduce`, pagedllm.distributed.communication).
 """
 
 from __future__ import annotations
@@ -16,32 +16,28 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+# tp_all_gather is re-exported for code that imported the collectives from here before they moved.
+from pagedllm.distributed.communication import tp_all_gather, tp_all_reduce  # noqa: F401
 from pagedllm.layers.unquantized import UnquantizedConfig
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, divide, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
 
-def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group (identity at tp_size 1).
+def _packed(param: nn.Parameter, dim: int, n: int) -> int:
+    """`n` output features in `param`'s own units along `dim`.
 
-    Hook for tensor parallelism: the default process group is assumed to be the TP group (NCCL on GPUs, gloo
-    on CPU); a runner with several groups would pass its TP group here.
+    A quantized parameter may pack several values into one element along an axis (AWQ's qweight holds 8
+    4-bit outputs per int32): it says so with `packed_dim` and `pack_factor`, and fused-piece offsets along
+    that axis shrink by the factor.
     """
-    if tp_size > 1:
-        dist.all_reduce(x)
-    return x
-
-
-def tp_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim` (identity at tp_size 1)."""
-    if tp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+    if getattr(param, "packed_dim", None) != dim:
+        return n
+    factor = int(param.pack_factor)  # type: ignore[attr-defined]
+    if n % factor:
+        raise WeightLoadError(f"{n} features do not fill whole packed elements of {factor}")
+    return n // factor
 
 
 class LinearBase(nn.Module):
@@ -166,8 +162,8 @@ class MergedColumnParallelLinear(LinearBase):
         if output_dim is None:  # a per-layer scalar (e.g. a quant scale) shared by the pieces
             copy_checked(param.data, loaded_weight)
             return
-        size = self.output_partition_sizes[shard_id]
-        offset = sum(self.output_partition_sizes[:shard_id])
+        size = _packed(param, output_dim, self.output_partition_sizes[shard_id])
+        offset = _packed(param, output_dim, sum(self.output_partition_sizes[:shard_id]))
         dst = param.data.narrow(output_dim, offset, size)
         copy_checked(dst, loaded_weight.narrow(output_dim, self.tp_rank * size, size))
 
@@ -217,8 +213,8 @@ class QKVParallelLinear(LinearBase):
             copy_checked(param.data, loaded_weight)
             return
         index = pieces[shard_id]
-        size = self.output_partition_sizes[index]
-        offset = sum(self.output_partition_sizes[:index])
+        size = _packed(param, output_dim, self.output_partition_sizes[index])
+        offset = _packed(param, output_dim, sum(self.output_partition_sizes[:index]))
         # q heads are split evenly; a KV head may be shared by several ranks.
         rank_in_piece = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         dst = param.data.narrow(output_dim, offset, size)

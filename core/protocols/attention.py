@@ -4,6 +4,11 @@ A backend is a class (registered by a plugin) with static capability methods; th
 each hold one `AttentionImpl` made by `make_impl`. The model runner builds a `CommonAttentionMetadata` per
 step and the backend turns it into whatever its kernel wants with `build_metadata` (once per step, shared by
 all layers).
+
+Hybrid models (several KV-cache groups, e.g. sliding-window and full-attention layers) get a
+`KVGroupMetadata`: the backend's metadata built once per group, each from that group's block table and slot
+mapping. A layer that reads a KV-cache group declares `kv_group_id` (the engine sets it) and picks its entry;
+`pagedllm.layers.attention.Attention` does this, so models need no change.
 """
 
 from __future__ import annotations
@@ -38,6 +43,24 @@ class CommonAttentionMetadata:
     block_size: int
     # Requests are ordered decodes first (query_len == 1), then prefills; this counts the leading decodes.
     num_decodes: int = 0
+
+
+@dataclass(frozen=True)
+class KVGroupMetadata:
+    """One step's metadata per KV-cache group, indexed by group id (only models with several groups get it).
+
+    Entries are whatever each group's builder returned: the attention backend's metadata for attention
+    groups; another layer type (Mamba state) may put its own there. A one-group model gets the backend's
+    metadata object directly, never this wrapper, so its per-step cost is unchanged.
+    """
+
+    groups: list[Any]
+
+    def __getitem__(self, group_id: int) -> Any:
+        return self.groups[group_id]
+
+    def __len__(self) -> int:
+        return len(self.groups)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ runs the model, computing logits only at the last scheduled position of each req
 the requests whose scheduled tokens reach the end of what is known (a prefill chunk that is not the last
 gets no sample). The only device->host copy is the sampled ids (and logprobs when asked for).
 
+A hybrid model (several KV-cache groups) gets one block table and slot mapping per group
+(`block_sizes` has one entry per group) and a `KVGroupMetadata`; a one-group model takes exactly the
+single-table path it always did.
+
 On CUDA the inputs go through persistent buffers (pinned host mirrors, non-blocking copies) and decode-only
 steps can replay CUDA graphs (worker/cuda_graphs.py); on the CPU each step builds fresh tensors as before.
 `profile_activation_bytes` runs the largest step once so the builder can size the KV cache from what is
@@ -14,16 +18,26 @@ left of the GPU's memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.speculator import Speculator
+from pagedllm.spec_decode.verification import verify
 from pagedllm.worker.cuda_graphs import DecodeGraphs, GPURunnerOptions, StepBuffers, graph_ladder
-from pagedllm.worker.input_prep import StepInputs, plan_inputs, prepare_inputs
+from pagedllm.worker.input_prep import (
+    GroupBlockIds,
+    StepInputs,
+    build_attn_metadata,
+    plan_inputs,
+    prepare_inputs,
+)
 from pagedllm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("pagedllm")
@@ -39,14 +53,22 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int,
         options: GPURunnerOptions | None = None,
+        block_sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
+        # One entry per KV-cache group; group 0's is block_size.
+        self.block_sizes = list(block_sizes) if block_sizes else [block_size]
+        if self.block_sizes[0] != block_size:
+            raise ValueError(f"block_sizes[0] ({self.block_sizes[0]}) must be block_size ({block_size})")
         self.device = device
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        # Speculative decoding (pagedllm.spec_decode.speculator.Speculator), set by the EngineCore when the
+        # config turns it on; None keeps every step exactly as without it.
+        self.speculator: Any = None
         self.states: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request continues its random stream when it resumes.
         self._generators: dict[str, torch.Generator] = {}
@@ -59,8 +81,9 @@ class ModelRunner:
             self._buffers = StepBuffers(
                 max(opts.max_num_tokens, opts.max_num_seqs),
                 opts.max_num_seqs,
-                -(-opts.max_model_len // block_size) + 1,
+                -(-opts.max_model_len // min(self.block_sizes)) + 1,
                 device,
+                num_groups=len(self.block_sizes),
             )
 
     @property
@@ -79,7 +102,7 @@ class ModelRunner:
         sizes = sizes or list(self.options.graph_batch_sizes or graph_ladder(self.options.max_num_seqs))
         graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
         with torch.inference_mode():
-            graphs.capture(sizes, self.block_size)
+            graphs.capture(sizes, self.block_sizes)
         self._graphs = graphs
         return graphs.sizes
 
@@ -114,6 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if self.speculator is not None:
+            self.speculator.remove_requests(so.finished_req_ids | so.preempted_req_ids)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], [])
 
@@ -122,17 +147,37 @@ class ModelRunner:
         states = [self.states[r] for r in req_ids]
         num_sched = [so.num_scheduled_tokens[r] for r in req_ids]
         num_decodes = sum(1 for n in num_sched if n == 1)
-        token_ids = [s.token_ids for s in states]
+        # Speculative decoding: a request's scheduled drafts follow its known tokens (core/spec_decode/).
+        spec = so.scheduled_spec_decode_tokens
+        token_ids = [s.token_ids + spec[r] if r in spec else s.token_ids for r, s in zip(req_ids, states)]
         computed = [s.num_computed_tokens for s in states]
         block_ids = [s.block_ids[0] for s in states]
-        inputs, hidden = self._forward(token_ids, computed, num_sched, block_ids, num_decodes)
+        more_groups: list[GroupBlockIds] = [
+            ([s.block_ids[g] for s in states], size) for g, size in enumerate(self.block_sizes[1:], start=1)
+        ]
+        inputs, hidden = self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups)
         logits_indices = inputs.logits_indices[: len(states)]  # graph padding rows are never sampled
 
         # Only requests whose scheduled tokens reach the end of their known tokens get a sample.
         sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + num_sched[i] >= s.num_tokens]
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[Any] = [None] * len(states)
-        if sample_rows:
+        num_rejected = [0] * len(states)
+        if sample_rows and spec:
+            drafts = [spec.get(req_ids[i], []) for i in sample_rows]
+            last_rows = list(itertools.accumulate(num_sched))  # host-side: no sync on logits_indices
+            rows_idx = Speculator.logits_rows([last_rows[i] - 1 for i in sample_rows], [len(d) for d in drafts])
+            logits = self.model.compute_logits(hidden[torch.tensor(rows_idx, device=hidden.device)])
+            rows = [states[i] for i in sample_rows]
+            # A runner without the proposer (a remote tensor-parallel rank) verifies with one-hot q.
+            verified = (self.speculator.verify(self.sampler, logits, rows, drafts) if self.speculator is not None
+                        else verify(self.sampler, logits, rows, drafts, [None] * len(rows), self.vocab_size))
+            for j, i in enumerate(sample_rows):
+                states[i].append_outputs(verified.token_ids[j])
+                sampled[i] = verified.token_ids[j]
+                logprobs[i] = verified.logprobs[j]
+                num_rejected[i] = len(drafts[j]) - verified.num_accepted[j]
+        elif sample_rows:
             idx = logits_indices[sample_rows] if len(sample_rows) < len(states) else logits_indices
             logits = self.model.compute_logits(hidden[idx])
             rows = [states[i] for i in sample_rows]
@@ -152,12 +197,28 @@ class ModelRunner:
                 else [None] * len(rows)
             )
             for j, i in enumerate(sample_rows):
-                states[i].output_token_ids.append(tokens[j])
+                states[i].append_outputs([tokens[j]])
                 sampled[i] = [tokens[j]]
-                logprobs[i] = entries[j]
+                logprobs[i] = None if entries[j] is None else [entries[j]]
         for i, s in enumerate(states):
-            s.num_computed_tokens += num_sched[i]
-        return ModelRunnerOutput(req_ids, sampled, logprobs)
+            s.num_computed_tokens += num_sched[i] - num_rejected[i]  # rejected drafts' KV is rolled back
+        proposals: list[list[int]] = []
+        if self.speculator is not None and sample_rows:
+            drafts_next = self.speculator.propose([states[i] for i in sample_rows])
+            proposals = [drafts_next.get(r, []) for r in req_ids]
+        return ModelRunnerOutput(req_ids, sampled, logprobs, proposals)
+
+    def forward_tokens(
+        self,
+        token_ids: list[list[int]],
+        computed: list[int],
+        num_sched: list[int],
+        block_ids: list[list[int]],
+        num_decodes: int,
+    ) -> tuple[StepInputs, torch.Tensor]:
+        """One forward over a batch the caller lays out (one KV-cache group), with no request state and no
+        sampling: a draft model's proposer drives its own runner this way. Returns (inputs, hidden states)."""
+        return self._forward(token_ids, computed, num_sched, block_ids, num_decodes)
 
     def _forward(
         self,
@@ -166,14 +227,19 @@ class ModelRunner:
         num_sched: list[int],
         block_ids: list[list[int]],
         num_decodes: int,
+        more_groups: list[GroupBlockIds] | None = None,
     ) -> tuple[StepInputs, torch.Tensor]:
-        """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors."""
+        """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors.
+
+        `block_ids` are KV-cache group 0's per request; `more_groups` the other groups' (hybrid models).
+        """
+        more = more_groups or ()
         if self._buffers is None:  # CPU: fresh tensors per step, exactly as before the GPU path existed
             inputs = prepare_inputs(
-                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes
+                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
             )
         else:
-            host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes)
+            host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more)
             replay = self._graphs.run(host) if self._graphs is not None else None
             if replay is not None:
                 return replay
@@ -186,9 +252,9 @@ class ModelRunner:
                     self._warned_overflow = True
                     logger.warning("step larger than the runner's buffers %s; using fresh tensors", self.options)
                 inputs = prepare_inputs(
-                    token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes
+                    token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
                 )
-        attn_metadata = self.attn_backend.build_metadata(inputs.attn)
+        attn_metadata = build_attn_metadata(self.attn_backend, inputs)
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
 
 
@@ -201,13 +267,18 @@ def profile_activation_bytes(
     num_tokens: int,
     num_logit_rows: int,
     device: torch.device,
+    group_block_sizes: list[int] | None = None,
+    max_seq_len: int | None = None,
 ) -> int:
     """Peak bytes the largest step allocates beyond what is live now (CUDA only; 0 elsewhere).
 
     Runs one prefill of `num_tokens` tokens (the scheduler's token budget) through the model and the logits of
     `num_logit_rows` rows, against a throw-away KV cache just large enough for it, and reads the allocator's
     peak. The builder subtracts this (and everything already allocated) from the memory budget before
-    sizing the real cache.
+    sizing the real cache. A hybrid model passes each KV-cache group's block size in `group_block_sizes`
+    (the first is block_size); every group gets its own block table over the same throw-away blocks.
+    The tokens are cut into sequences of at most `max_seq_len` (the model's positions): a budget larger than
+    the context (16,384 tokens for an 8,192-position model) must not index the rotary tables past their end.
     """
     if device.type != "cuda":
         return 0
@@ -215,17 +286,21 @@ def profile_activation_bytes(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    num_blocks = -(-num_tokens // block_size) + 1
+    lens, tables = profile_batch(num_tokens, max_seq_len, [block_size, *(group_block_sizes or [])[1:]])
+    # Each sequence may round up a partial block of its own; block 0 is the null block.
+    num_blocks = -(-num_tokens // min(group_block_sizes or [block_size])) + len(lens) + 1
     caches = [
-        torch.empty(backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size), dtype=s.dtype,
-                    device=device)
+        torch.empty(s.own_cache_shape(num_blocks)  # a layer type with its own layout (Mamba state)
+                    or backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size),
+                    dtype=s.dtype, device=device)
         for s in specs
     ]
     cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    more = list(zip(tables[1:], (group_block_sizes or [])[1:], strict=True))
     inputs = prepare_inputs(
-        [[0] * num_tokens], [0], [num_tokens], [list(range(1, num_blocks))], block_size, device, 0
+        [[0] * n for n in lens], [0] * len(lens), lens, tables[0], block_size, device, 0, more
     )
-    hidden = model(inputs.input_ids, inputs.positions, backend.build_metadata(inputs.attn), caches)
+    hidden = model(inputs.input_ids, inputs.positions, build_attn_metadata(backend, inputs), caches)
     rows = min(num_logit_rows, num_tokens)
     model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
     torch.cuda.synchronize(device)
@@ -233,3 +308,17 @@ def profile_activation_bytes(
     del caches, hidden, inputs
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def profile_batch(
+    num_tokens: int, max_seq_len: int | None, block_sizes: list[int]
+) -> tuple[list[int], list[list[list[int]]]]:
+    """The profiling step's shape: sequence lengths (each <= max_seq_len) summing to num_tokens, and per
+    group (one per block size) a block table per sequence over disjoint block ranges from block 1 on."""
+    seq = max(1, min(num_tokens, max_seq_len or num_tokens))
+    lens = [seq] * (num_tokens // seq) + ([num_tokens % seq] if num_tokens % seq else [])
+    tables = []
+    for size in block_sizes:
+        starts = np.cumsum([0] + [-(-n // size) for n in lens])
+        tables.append([list(range(1 + int(a), 1 + int(b))) for a, b in zip(starts[:-1], starts[1:], strict=True)])
+    return lens, tables

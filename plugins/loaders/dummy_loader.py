@@ -2,12 +2,20 @@
 
 Weights are small (uniform in [-1e-3, 1e-3]) so activations stay finite through many layers, and drawn from
 a fixed seed so two runs of a benchmark see the same numbers.
+
+NOTE 1: with tensor parallelism a rank still draws every parameter's full (tp=1) tensor, in the tp=1 order,
+and keeps its slice through the layer's own `weight_loader`: the same seed gives the same model at any
+tensor_parallel_size (each rank does the whole draw, which costs time only at load).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
+from pagedllm.layers.linear import QKVParallelLinear
 from pagedllm.layers.weight_utils import process_weights_after_loading
 from pagedllm.plugins.loaders.hf_loader import read_model_info
 from pagedllm.protocols.loader import LoadedModelInfo
@@ -34,14 +42,69 @@ class DummyLoader:
         return read_model_info(model, tokenizer)
 
     def load_weights(self, module: torch.nn.Module, model: str, info: LoadedModelInfo) -> None:
-        """Fill parameters in name order from a seeded generator on each parameter's device."""
-        generators: dict[torch.device, torch.Generator] = {}
-        for _name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
-            if not param.is_floating_point():
-                continue  # packed integer tensors of a quantized method: leave to that method
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(self.seed)
-            with torch.no_grad():
-                param.uniform_(_LOW, _HIGH, generator=gen)
+        """Fill parameters in name order from a seeded generator on each parameter's device.
+
+        With tensor parallelism each rank draws the whole tp=1 tensor and keeps its shard (NOTE 1), so the
+        weights, and the tokens, are the same whatever the tensor_parallel_size.
+        """
+        ctx = getattr(module, "ctx", None)
+        if ctx is not None and getattr(ctx, "tp_size", 1) > 1:
+            self._load_sharded(module, ctx)
+        else:
+            generators: dict[torch.device, torch.Generator] = {}
+            for _name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+                if not param.is_floating_point():
+                    continue  # packed integer tensors of a quantized method: leave to that method
+                with torch.no_grad():
+                    param.uniform_(_LOW, _HIGH, generator=self._generator(generators, param.device))
         process_weights_after_loading(module)
+
+    def _generator(self, generators: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
+        gen = generators.get(device)
+        if gen is None:
+            gen = generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    def _load_sharded(self, module: torch.nn.Module, ctx: Any) -> None:
+        """NOTE 1: a tp=1 twin of the model on the meta device gives every parameter's full shape (and each
+        fused layer's piece sizes); the full tensor is drawn exactly as tp=1 draws it, cut into the
+        checkpoint's pieces, and handed to this rank's `weight_loader`, which keeps the rank's slice."""
+        twin_ctx = dataclasses.replace(ctx, tp_rank=0, tp_size=1, device=torch.device("meta"))
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(ctx.dtype)
+        try:
+            with torch.device("meta"):
+                twin = type(module)(twin_ctx)
+        finally:
+            torch.set_default_dtype(previous)
+        params = dict(module.named_parameters())
+        generators: dict[torch.device, torch.Generator] = {}
+        for name, full_param in sorted(twin.named_parameters(), key=lambda item: item[0]):
+            if not full_param.is_floating_point():
+                continue
+            param = params[name]
+            full = torch.empty(full_param.shape, dtype=param.dtype, device=param.device)
+            full.uniform_(_LOW, _HIGH, generator=self._generator(generators, param.device))
+            layer = twin.get_submodule(name.rpartition(".")[0])
+            loader = getattr(param, "weight_loader", None)
+            with torch.no_grad():
+                if loader is None:  # replicated (norms): the whole tensor
+                    param.copy_(full)
+                    continue
+                for shard_id, piece in _checkpoint_pieces(layer, full_param, full):
+                    if shard_id is None:
+                        loader(param, piece)
+                    else:
+                        loader(param, piece, shard_id)
+
+
+def _checkpoint_pieces(
+    layer: torch.nn.Module, full_param: torch.Tensor, full: torch.Tensor
+) -> list[tuple[Any, torch.Tensor]]:
+    """A fused tp=1 parameter cut back into the tensors a checkpoint would hold, with their shard ids."""
+    output_dim = getattr(full_param, "output_dim", None)
+    sizes = getattr(layer, "output_partition_sizes", None)
+    if output_dim is None or sizes is None or len(sizes) == 1:
+        return [(None, full)]
+    ids: list[Any] = ["q", "k", "v"] if isinstance(layer, QKVParallelLinear) else list(range(len(sizes)))
+    return list(zip(ids, full.split(sizes, dim=output_dim)))

@@ -44,6 +44,29 @@ class GGUFBlocks:
         """Rows start .. start+length (a tensor-parallel or fused-piece slice), still quantized."""
         return GGUFBlocks(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]))
 
+    def narrow_cols(self, start: int, length: int) -> GGUFBlocks:
+        """Columns start .. start+length of every row (a row-parallel slice), still quantized.
+
+        Blocks run along a row, so the slice must begin and end on block boundaries (32 weights for the
+        Q4/Q5/Q8 types, 256 for K-quants); a ValueError says which boundary is missed.
+        """
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        if start % block or length % block:
+            raise ValueError(
+                f"{self.ggml_type.name} holds {block} weights per block; columns {start}..{start + length} of "
+                f"{self.shape[1]} do not fall on block boundaries, so this tensor cannot be split across "
+                f"tensor-parallel ranks kept quantized (use quantization: none)"
+            )
+        data = self.data.narrow(1, start // block * type_size, length // block * type_size)
+        return GGUFBlocks(data, self.ggml_type, (self.shape[0], length))
+
+    def pad_rows(self, rows: int) -> GGUFBlocks:
+        """Append all-zero rows up to `rows`: zero bytes decode to zero weights (every block's scale is 0)."""
+        if rows <= self.shape[0]:
+            return self
+        pad = torch.zeros(rows - self.shape[0], self.data.shape[1], dtype=self.data.dtype)
+        return GGUFBlocks(torch.cat([self.data, pad]), self.ggml_type, (rows, self.shape[1]))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix these blocks encode."""
         return dequantize_blocks(self.data, self.ggml_type, self.shape)

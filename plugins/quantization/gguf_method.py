@@ -4,7 +4,9 @@ The block type of each weight is known only when its tensor arrives (a fused qkv
 llama.cpp's "_M" mixes do), so a layer's parameter is a placeholder that collects one `GGUFBlocks` per fused
 piece; after loading, consecutive pieces of one type are joined and each run gets a kernel
 (`gguf_kernels.py`). The loader sends blocks only when the model's layers use this method; otherwise it
-dequantizes at load as before (`quantization: none`).
+dequantizes at load as before (`quantization: none`). With tensor parallelism each rank keeps its slice of
+every piece in blocks (`_rank_slice`): rows for column-parallel pieces and the vocabulary, whole blocks of
+columns for row-parallel layers (a split that is not on a block boundary is refused with the reason).
 
 Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine config):
 
@@ -118,8 +120,6 @@ class _PieceCollector:
         self.config = config
 
     def _create_placeholder(self, layer: nn.Module, rows: list[int], cols: int, dtype: torch.dtype) -> None:
-        if getattr(layer, "tp_size", 1) != 1:
-            raise ValueError("gguf kept quantized supports tensor_parallel_size 1 only (use quantization: none)")
         layer.__dict__["gguf_state"] = _LayerState(rows, cols, dtype, [None] * len(rows))
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         # The layer would slice a dense tensor; we take the whole piece, so this loader replaces the layer's.
@@ -134,6 +134,7 @@ class _PieceCollector:
                 loaded = GGUFBlocks(loaded.float().contiguous().view(torch.uint8), Q.F32, tuple(loaded.shape))
             state = _state(layer)
             expected = (state.rows[piece], state.cols)
+            loaded = _rank_slice(layer, loaded, shard_id, expected)
             if tuple(loaded.shape) != expected:
                 raise WeightLoadError(f"shape mismatch: parameter piece {expected} vs checkpoint {loaded.shape}")
             state.pieces[piece] = loaded
@@ -165,6 +166,31 @@ class _PieceCollector:
         _state(layer).pieces = []  # the raw file blocks are no longer referenced: only the kernels stay resident
         weight = cast(torch.Tensor, layer.weight)
         weight.data = torch.empty(0, dtype=torch.uint8, device=weight.device)
+
+
+def _rank_slice(layer: nn.Module, blocks: GGUFBlocks, shard_id: Any, expected: tuple[int, int]) -> GGUFBlocks:
+    """This tensor-parallel rank's part of a whole checkpoint tensor, still in blocks.
+
+    The layer's own weight_loader slices dense tensors; pieces arrive here whole, so the same cuts are made
+    on the blocks: output rows for column-parallel pieces (a KV head shared by several ranks is taken by each)
+    and for the vocabulary (the last rank's rows padded with zeros), input columns for row-parallel layers.
+    """
+    tp_size = getattr(layer, "tp_size", 1)
+    rows, cols = expected
+    if tp_size == 1 or tuple(blocks.shape) == expected:
+        return blocks
+    rank = int(layer.tp_rank)  # type: ignore[arg-type]
+    if blocks.shape[0] != rows:
+        vocab_start = getattr(layer, "vocab_start", None)
+        if vocab_start is not None:  # vocabulary-parallel embedding / LM head
+            length = min(rows, blocks.shape[0] - vocab_start)
+            blocks = blocks.narrow_rows(vocab_start, length).pad_rows(rows)
+        else:
+            replicas = getattr(layer, "num_kv_head_replicas", 1) if shard_id in ("k", "v") else 1
+            blocks = blocks.narrow_rows(rank // replicas * rows, rows)
+    if blocks.shape[1] != cols:
+        blocks = blocks.narrow_cols(rank * cols, cols)
+    return blocks
 
 
 class GGUFLinearMethod(_PieceCollector):
