@@ -22,13 +22,12 @@ from torch import nn
 
 from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.layers.activation import GeluTanhAndMul
-from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.weight_utils import load_weights_by_name
-from pagedllm.plugins.models.llama_model import STACKED_PARAMS, head_dim_of, layer_sliding_window
+from pagedllm.plugins.models.llama_model import STACKED_PARAMS, LlamaAttention, head_dim_of
 from pagedllm.protocols.model import ModelBuildContext
 
 _DERIVED_BUFFERS = ("rotary_emb.", "embed_scale")
@@ -56,61 +55,22 @@ class GemmaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Gemma2Attention(nn.Module):
-    """Fused qkv projection, RoPE, soft-capped paged attention (windowed on local layers), o_proj."""
+class Gemma2Attention(LlamaAttention):
+    """Llama's attention with Gemma's score scale (query_pre_attn_scalar) and soft-capped scores; windowed on
+    local layers."""
 
     def __init__(self, ctx: ModelBuildContext, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
-        super().__init__()
         cfg = ctx.hf_config
-        total_heads = cfg.num_attention_heads
-        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
-        self.head_dim = head_dim_of(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            ctx,
-            cfg.hidden_size,
-            self.head_dim,
-            total_heads,
-            total_kv_heads,
-            bias=bias,
-            prefix=f"{prefix}.qkv_proj",
-        )
-        self.o_proj = RowParallelLinear(
-            ctx, total_heads * self.head_dim, cfg.hidden_size, bias=bias, prefix=f"{prefix}.o_proj"
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotary_emb = rotary
-        self.sliding_window = layer_sliding_window(cfg, layer_idx)
-        self.attn = Attention(
-            ctx,
-            self.num_heads,
-            self.head_dim,
-            self.num_kv_heads,
-            float(cfg.query_pre_attn_scalar) ** -0.5,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.attn_soft_cap(cfg),
-            prefix=f"{prefix}.attn",
+        super().__init__(
+            ctx, rotary, layer_idx, prefix, qkv_bias=bias, o_bias=bias,
+            scale=float(cfg.query_pre_attn_scalar) ** -0.5, logits_soft_cap=self.attn_soft_cap(cfg),
         )
 
     def attn_soft_cap(self, cfg: Any) -> float | None:
         """Gemma 2 caps attention scores; Gemma 3 has the field but transformers never applies it."""
         cap = getattr(cfg, "attn_logit_softcapping", None)
         return float(cap) if cap else None
-
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalise q and k per head before RoPE; Gemma 2 does nothing."""
-        return q, k
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
 class Gemma2DecoderLayer(nn.Module):

@@ -90,7 +90,10 @@ class LlamaAttention(nn.Module):
         *,
         qkv_bias: bool,
         o_bias: bool,
+        scale: float | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
+        """`scale` defaults to head_dim ** -0.5; Gemma passes query_pre_attn_scalar ** -0.5 and a soft cap."""
         super().__init__()
         cfg = ctx.hf_config
         total_heads = cfg.num_attention_heads
@@ -113,13 +116,15 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_emb = rotary  # shared by all layers (one cos/sin cache per model)
+        self.sliding_window = layer_sliding_window(cfg, layer_idx)
         self.attn = Attention(
             ctx,
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
-            self.head_dim**-0.5,
-            sliding_window=layer_sliding_window(cfg, layer_idx),
+            self.head_dim**-0.5 if scale is None else scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=logits_soft_cap,
             prefix=f"{prefix}.attn",
         )
 
