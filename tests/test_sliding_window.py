@@ -265,28 +265,86 @@ def test_prefix_hits_longer_than_window(model_dir: str, hf_ref: Any) -> None:
 
 
 @pytest.mark.parametrize("max_window_layers", [0, 1])
-def test_qwen2_specs_sliding_only_when_every_layer_is(max_window_layers: int) -> None:
-    """All layers windowed -> SlidingWindowSpec (one group); mixed -> FullAttentionSpec for all (see NOTE)."""
-    import transformers
-
+def test_qwen2_specs_follow_each_layers_window(max_window_layers: int) -> None:
+    """All layers windowed -> one SlidingWindowSpec group; the bottom max_window_layers stay full."""
     from pagedllm.kv_cache.spec import FullAttentionSpec
     from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
     from pagedllm.plugins.models.qwen2_model import Qwen2ForCausalLM
     from pagedllm.protocols.model import ModelBuildContext
 
-    cfg = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
+    cfg = _qwen2_config(num_layers=3, max_window_layers=max_window_layers)
+    ctx = ModelBuildContext(cfg, torch.float32, torch.device("cpu"), TorchSDPABackend, None, BLOCK)
+    specs = Qwen2ForCausalLM(ctx).kv_cache_specs()
+    expected = [FullAttentionSpec] * max_window_layers + [SlidingWindowSpec] * (3 - max_window_layers)
+    assert [type(s) for s in specs] == expected
+
+
+def _qwen2_config(num_layers: int, max_window_layers: int) -> Any:
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
         sliding_window=WINDOW,
         use_sliding_window=True,
         max_window_layers=max_window_layers,
+        architectures=["Qwen2ForCausalLM"],
     )
-    ctx = ModelBuildContext(cfg, torch.float32, torch.device("cpu"), TorchSDPABackend, None, BLOCK)
-    specs = Qwen2ForCausalLM(ctx).kv_cache_specs()
-    expected = SlidingWindowSpec if max_window_layers == 0 else FullAttentionSpec
-    assert [type(s) for s in specs] == [expected] * 3
-    assert len(set(specs)) == 1
+
+
+def test_qwen2_mixed_window_layers_match_transformers_and_release_blocks(tiny_root: Path) -> None:
+    """Qwen2 with its bottom layer full and the rest windowed: full and windowed KV-cache groups; greedy tokens equal
+    transformers' (eager attention applies each layer's type) through chunked mixed batches, the windowed
+    groups stay within ceil(W / bs) + 1 blocks per request while the full group keeps every block."""
+    import transformers
+
+    path = tiny_root / "qwen2_mixed_window"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        transformers.Qwen2ForCausalLM(_qwen2_config(3, 1)).float().save_pretrained(path, safe_serialization=True)
+    ref_model = transformers.Qwen2ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    full_model = transformers.Qwen2ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", layer_types=["full_attention"] * 3
+    ).eval()
+    prompts = _prompts(5, seed=5)
+    expected = [hf_greedy_with(ref_model, p, NEW)[0] for p in prompts]
+    assert any(e != hf_greedy_with(full_model, p, NEW)[0] for e, p in zip(expected, prompts))  # the window matters
+
+    engine = LLMEngine.from_kwargs(
+        str(path), block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=5, enable_prefix_caching=False,
+        **SMALL,
+    )
+    managers = engine.parts.kv_cache_manager.coordinator.managers
+    sliding = [m for m in managers if isinstance(m, SlidingWindowManager)]
+    full = [m for m in managers if not isinstance(m, SlidingWindowManager)]
+    # Groups hold equal layer counts (page sharing, core/kv_cache/layout.py): 1 full + 2 windowed -> 3 groups.
+    assert len(sliding) == 2 and len(full) == 1
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    requests = engine.core.scheduler.requests
+    got: dict[str, list[int]] = {}
+    checks = 0
+    while engine.has_unfinished_requests():
+        decoding = {rid for rid, r in requests.items() if r.num_computed_tokens >= r.num_prompt_tokens}
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        for rid in decoding & set(requests):
+            assert all(_held(m, rid) <= MAX_BLOCKS for m in sliding)
+            assert len(full[0].get_blocks(rid)) == math.ceil(requests[rid].num_computed_tokens / BLOCK)
+            checks += 1
+    assert checks > 50
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert engine.kv_cache_usage == 0.0

@@ -248,22 +248,17 @@ class LlamaForCausalLM(nn.Module):
         return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One spec per layer: SlidingWindowSpec when every layer has the same window, else FullAttentionSpec.
+        """One spec per layer: SlidingWindowSpec for a windowed layer, FullAttentionSpec otherwise.
 
-        NOTE: a model mixing windowed and full layers (Qwen2 with max_window_layers below the layer count)
-        keeps FullAttentionSpec for every layer: two specs make two KV-cache groups, and the model runner
-        still drives every layer from group 0's block table. The backend masks the window either way, so
-        only the early release of blocks is lost. Mixed groups need per-group block tables in the runner.
+        A model mixing both (Qwen2 with max_window_layers below the layer count) gets two KV-cache groups:
+        the windowed layers' blocks are released as decoding moves on, the full layers keep theirs.
         """
-        cfg = self.ctx.hf_config
-        layers = [cast(LlamaDecoderLayer, layer).self_attn for layer in self.model.layers]
-        windows = {layer_sliding_window(cfg, i) for i in range(len(layers))}
-        window = windows.pop() if len(windows) == 1 else None
         specs: list[KVCacheSpec] = []
-        for attn in layers:
+        for layer in self.model.layers:
+            attn = cast(LlamaDecoderLayer, layer).self_attn
             shape = (self.ctx.block_size, attn.num_kv_heads, attn.head_dim, self.ctx.dtype)
-            if window is None:
+            if attn.sliding_window is None:
                 specs.append(FullAttentionSpec(*shape))
             else:
-                specs.append(SlidingWindowSpec(*shape, sliding_window=window))
+                specs.append(SlidingWindowSpec(*shape, sliding_window=attn.sliding_window))
         return specs
