@@ -25,6 +25,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _collect_engines() -> Iterator[None]:
     """Free a module's engines (and their KV caches) before the next module builds its own."""
     yield
+    gc.unfreeze()  # engines freeze what exists at their start (EngineCore NOTE); dropped ones must go too
     gc.collect()
 
 

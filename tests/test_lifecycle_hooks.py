@@ -81,3 +81,18 @@ def test_config_loaded_request_added_and_step_stats_fire(tiny_root: Path) -> Non
     assert rec.added == ["a#0", "a#1"]
     assert [s[0] for s in rec.steps] == list(range(1, len(rec.steps) + 1))
     assert rec.steps[0][1:] == (6, 2) and rec.steps[-1][1:] == (2, 2)
+
+
+def test_engine_freezes_its_startup_objects_until_shutdown(tiny_root: Path) -> None:
+    """The engine moves what it built out of the cyclic GC (EngineCore NOTE) and gives it back at shutdown."""
+    import gc
+
+    gc.unfreeze()
+    engine = LLMEngine(EngineConfig(model=make_tiny_model("llama", tiny_root), num_threads=1))
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000  # the model, tokenizer-less config, plugin registries...
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
