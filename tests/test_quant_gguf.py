@@ -210,3 +210,20 @@ def test_smollm2_kept_quantized(default_gguf: str) -> None:
     small.shutdown()
     print(f"with embedding int4: {small_bytes / 1e6:.1f} MB = {small_bytes / fp16_bytes:.3f} x float16")
     assert small_bytes <= 0.35 * fp16_bytes
+
+
+def test_gguf_options_are_validated_not_ignored() -> None:
+    """`plugins.gguf` is the kept-quantized method's section: a known key passes silently (it is used), a typo
+    names the key."""
+    import warnings
+
+    from pagedllm.config import ConfigError, EngineConfig, validate_plugin_sections
+    from pagedllm.plugin_manager import get_plugin_manager
+
+    models = get_plugin_manager().config_models()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "no installed plugin declares it; ignored" would be a lie here
+        sections = validate_plugin_sections(EngineConfig(plugins={"gguf": {"embedding": "int4"}}), models)
+    assert sections["gguf"].embedding == "int4"
+    with pytest.raises(ConfigError, match="plugins.gguf.embeding"):
+        validate_plugin_sections(EngineConfig(plugins={"gguf": {"embeding": "int4"}}), models)

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm import hookimpl
+
+
+class GGUFOptions(BaseModel):
+    """`plugins.gguf`: how the kept-quantized method stores what it keeps (validated, so a typo is an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    embedding: Literal["keep", "int4"] = Field(
+        "keep", description="the token embedding / tied LM head: its own GGUF blocks, or requantized to int4 "
+        "(smaller, lossy)"
+    )
+    cache_dequantized: bool = Field(
+        False, description="types without a fast kernel: keep a float copy after the first call (memory for speed)"
+    )
 
 
 def _load() -> Any:
@@ -19,5 +35,6 @@ def register_quantization_methods(register: Any) -> None:
         "gguf",
         _load,
         requires=["gguf"],
+        config_model=GGUFOptions,
         description="GGUF blocks kept quantized (CPU: int4 / int8 weight-only GEMMs; others dequantized per call)",
     )
