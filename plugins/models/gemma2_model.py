@@ -14,20 +14,18 @@ Gemma 3 (gemma3_model.py) reuses these pieces with q/k norms and a rope per laye
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, ClassVar, cast
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.layers.activation import GeluTanhAndMul
-from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
-from pagedllm.layers.weight_utils import load_weights_by_name
-from pagedllm.plugins.models.llama_model import STACKED_PARAMS, LlamaAttention, head_dim_of
+from pagedllm.plugins.models.llama_model import LlamaAttention, LlamaForCausalLM, head_dim_of
 from pagedllm.protocols.model import ModelBuildContext
 
 _DERIVED_BUFFERS = ("rotary_emb.", "embed_scale")
@@ -153,34 +151,19 @@ class Gemma2Model(nn.Module):
         return hidden
 
 
-class Gemma2ForCausalLM(nn.Module):
-    """The CausalLM protocol for Gemma 2 checkpoints; Gemma 3 swaps the model and decoder-layer classes."""
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """The CausalLM protocol for Gemma 2 checkpoints (Llama's, with Gemma's backbone and soft-capped logits);
+    Gemma 3 swaps the model and decoder-layer classes."""
 
-    decoder_layer_cls: ClassVar[type[Gemma2DecoderLayer]] = Gemma2DecoderLayer
-    model_cls: ClassVar[type[Gemma2Model]] = Gemma2Model
+    decoder_layer_cls: ClassVar[type[nn.Module]] = Gemma2DecoderLayer
+    model_cls: ClassVar[Callable[..., nn.Module]] = Gemma2Model
+    tie_word_embeddings_default: ClassVar[bool] = True
+    derived_buffers: ClassVar[tuple[str, ...]] = _DERIVED_BUFFERS
 
     def __init__(self, ctx: ModelBuildContext) -> None:
-        super().__init__()
-        cfg = ctx.hf_config
-        self.ctx = ctx
-        with torch.device(ctx.device):
-            self.model = self.model_cls(ctx, self.decoder_layer_cls)
-            self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-        cap = getattr(cfg, "final_logit_softcapping", None)
+        super().__init__(ctx)
+        cap = getattr(ctx.hf_config, "final_logit_softcapping", None)
         self.final_soft_cap = float(cap) if cap else None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: Any,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """[T] ids and positions -> [T, hidden] final hidden states (normed, before the LM head)."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, soft-capped as cap * tanh(logits / cap)."""
@@ -188,25 +171,3 @@ class Gemma2ForCausalLM(nn.Module):
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (a tied lm_head.weight is the embedding's, so it is skipped)."""
-
-        def skip(name: str) -> bool:
-            return any(b in name for b in _DERIVED_BUFFERS) or (
-                self.tie_word_embeddings and name == "lm_head.weight"
-            )
-
-        return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
-
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """Per layer: SlidingWindowSpec for local layers, FullAttentionSpec for global ones (two groups)."""
-        specs: list[KVCacheSpec] = []
-        for layer in self.model.layers:
-            attn = cast(Gemma2DecoderLayer, layer).self_attn
-            shape = (self.ctx.block_size, attn.num_kv_heads, attn.head_dim, self.ctx.dtype)
-            if attn.sliding_window is None:
-                specs.append(FullAttentionSpec(*shape))
-            else:
-                specs.append(SlidingWindowSpec(*shape, sliding_window=attn.sliding_window))
-        return specs

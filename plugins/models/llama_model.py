@@ -9,7 +9,7 @@ class in `decoder_layer_cls`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, cast
 
 import torch
@@ -208,7 +208,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The CausalLM protocol for Llama-style checkpoints; subclasses swap `decoder_layer_cls`."""
 
-    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    decoder_layer_cls: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    # Gemma reuses this shell with its own backbone, tying default and derived (never loaded) buffers.
+    model_cls: ClassVar[Callable[..., nn.Module]] = LlamaModel
+    tie_word_embeddings_default: ClassVar[bool] = False
+    derived_buffers: ClassVar[tuple[str, ...]] = _DERIVED_BUFFERS
 
     def __init__(self, ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -216,9 +220,9 @@ class LlamaForCausalLM(nn.Module):
         self.ctx = ctx
         # Build straight on the target device: no CPU copy of the weights first.
         with torch.device(ctx.device):
-            self.model = LlamaModel(ctx, self.decoder_layer_cls)
+            self.model: Any = self.model_cls(ctx, self.decoder_layer_cls)
             self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", self.tie_word_embeddings_default))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
@@ -241,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
 
         def skip(name: str) -> bool:
             # A tied head is the embedding: a saved lm_head.weight is a duplicate of embed_tokens.
-            return any(b in name for b in _DERIVED_BUFFERS) or (
+            return any(b in name for b in self.derived_buffers) or (
                 self.tie_word_embeddings and name == "lm_head.weight"
             )
 
