@@ -69,6 +69,38 @@ def test_padding_rows_are_harmless_decodes() -> None:
     assert torch.isfinite(out_pad).all()
 
 
+def test_uniform_multi_token_padding() -> None:
+    """Speculative verification steps (q = k + 1 tokens per request) padded to a graph's size: each padding
+    request is q tokens at positions 0..q-1 in slots 0..q-1 of the null block, and the real rows' attention
+    is unchanged (cuda_graphs.py NOTE 3)."""
+    q = 3
+    tokens, computed, sched, blocks = [list(range(12)), list(range(7))], [9, 4], [q, q], [[3, 4, 5], [6, 7]]
+    buffers = StepBuffers(max_tokens=16, max_reqs=4, max_blocks=4, device=CPU)
+    host = plan_inputs(tokens, computed, sched, blocks, 4, 0)
+    assert host.num_tokens == host.num_reqs * host.max_query_len  # what DecodeGraphs.run calls uniform
+    assert buffers.fits(host, 4, q) and not buffers.fits(host, 8, q)
+    padded = buffers.load(host, pad_to=4, query_len=q)
+    attn = padded.attn
+    assert (attn.num_reqs, attn.num_actual_tokens, attn.num_decodes) == (4, 12, 0)
+    assert attn.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert attn.seq_lens.tolist() == [12, 7, 3, 3]
+    assert attn.slot_mapping.tolist()[6:] == [0, 1, 2, 0, 1, 2]
+    assert padded.positions.tolist() == [9, 10, 11, 4, 5, 6, 0, 1, 2, 0, 1, 2]
+    assert padded.logits_indices.tolist() == [2, 5, 8, 11]
+    assert attn.block_table[2:, 0].tolist() == [0, 0]
+
+    layer = AttentionLayerConfig(4, 8, 2, 8**-0.5)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 10, 4, 2, 8, generator=gen)
+    qs, k, v = (torch.randn(12, h, 8, generator=gen) for h in (4, 2, 2))
+    impl = TorchSDPABackend.make_impl(layer)
+    out_pad = impl.forward(qs, k, v, cache.clone(), TorchSDPABackend.build_metadata(attn))
+    plain = prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 0)
+    out = impl.forward(qs[:6], k[:6], v[:6], cache.clone(), TorchSDPABackend.build_metadata(plain.attn))
+    assert torch.allclose(out_pad[:6], out, atol=1e-6)
+    assert torch.isfinite(out_pad).all()
+
+
 def test_profile_batch_stays_within_positions_and_disjoint_blocks() -> None:
     """The memory-profiling step of a 16,384-token budget on an 8,192-position model (the H200 default) is cut
     into sequences that never index positions past the model's end, over blocks no two sequences share."""

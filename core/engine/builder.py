@@ -249,6 +249,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         max_model_len=max_model_len,
         cuda_graphs=not config.enforce_eager,
         graph_batch_sizes=tuple(config.cuda_graph_sizes) if config.cuda_graph_sizes else None,
+        # Speculative verification steps (k drafts + 1 per request) replay graphs of their own.
+        uniform_query_lens=(config.speculative.num_speculative_tokens + 1,) if config.speculative.method else (),
     )
     # The runner's block_size is group 0's (the config's, unless a layer type sets its own).
     runner = ModelRunner(

@@ -19,6 +19,13 @@ so each writes garbage K/V into the null block -- which no real request reads, b
 groups get the same padding in their own block tables and slot mappings. Only backends that declare
 `supports_cuda_graphs` (their metadata holds no host-planned tensors) are captured; others run eagerly.
 
+Uniform multi-token steps (NOTE 3). Speculative decoding verifies k drafts per request: every request of such
+a step schedules q = k + 1 tokens. Those steps get graphs of their own, keyed by (padded size, q), captured
+when the engine speculates (`GPURunnerOptions.uniform_query_lens`). Padding request r then holds q tokens at
+positions 0..q-1 written to slots 0..q-1 of the null block (q <= block_size), so it attends only over slots
+written in the same step. The attention metadata captured for q > 1 is the backend's non-decode one (one
+segment), which is right for any batch of that shape; a step with mixed query lengths runs eagerly.
+
 Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
 """
 
@@ -47,6 +54,8 @@ class GPURunnerOptions:
     max_model_len: int = 8192
     cuda_graphs: bool = True  # the builder calls ModelRunner.capture_cuda_graphs() when set (enforce_eager off)
     graph_batch_sizes: tuple[int, ...] | None = None  # None: graph_ladder(max_num_seqs)
+    # Query lengths > 1 whose uniform steps also get graphs (NOTE 3): k + 1 when speculating k drafts.
+    uniform_query_lens: tuple[int, ...] = ()
 
 
 def graph_ladder(max_num_seqs: int) -> list[int]:
@@ -98,17 +107,19 @@ class StepBuffers:
         self.logits_indices, self.logits_indices_h = pair((max_reqs,), torch.int64)
         self._copied = torch.cuda.Event() if pin else None  # the last load()'s copies have read the mirrors
 
-    def fits(self, host: HostInputs, pad_to: int | None = None) -> bool:
+    def fits(self, host: HostInputs, pad_to: int | None = None, query_len: int = 1) -> bool:
         reqs = pad_to or host.num_reqs
-        tokens = host.num_tokens + (reqs - host.num_reqs)
+        tokens = host.num_tokens + (reqs - host.num_reqs) * query_len
         width = max([host.block_table.shape[1], *(g.block_table.shape[1] for g in host.extra_groups)])
         return tokens <= self.max_tokens and reqs <= self.max_reqs and width <= self.max_blocks
 
-    def load(self, host: HostInputs, pad_to: int | None = None) -> StepInputs:
-        """Copy `host` into the buffers (padded to `pad_to` decode requests, NOTE 2) and return views of them."""
+    def load(self, host: HostInputs, pad_to: int | None = None, query_len: int = 1) -> StepInputs:
+        """Copy `host` into the buffers (padded to `pad_to` requests of `query_len` tokens each, NOTES 2 and 3)
+        and return views of them."""
         n, t = host.num_reqs, host.num_tokens
         reqs = pad_to or n
-        tokens = t + (reqs - n)  # each padding request is one decode token
+        q = query_len
+        tokens = t + (reqs - n) * q  # each padding request is q tokens at positions 0..q-1
         pad = reqs - n
         if self._copied is not None:
             self._copied.synchronize()
@@ -122,12 +133,13 @@ class StepBuffers:
         np_qsl[: n + 1] = host.query_start_loc
         np_lens[:n] = host.seq_lens
         np_logits[:n] = host.logits_indices
+        pad_slots = np.tile(np.arange(q, dtype=np.int64), pad) if pad else None
         if pad:
             np_ids[t:tokens] = 0
-            np_pos[t:tokens] = 0
-            np_qsl[n + 1 : reqs + 1] = np.arange(t + 1, tokens + 1)
-            np_lens[n:reqs] = 1
-            np_logits[n:reqs] = np.arange(t, tokens)
+            np_pos[t:tokens] = pad_slots
+            np_qsl[n + 1 : reqs + 1] = np.arange(t + q, tokens + 1, q)
+            np_lens[n:reqs] = q
+            np_logits[n:reqs] = np.arange(t + q - 1, tokens, q)
         self._copy(self.input_ids, self.input_ids_h, tokens)
         self._copy(self.positions, self.positions_h, tokens)
         self._copy(self.query_start_loc, self.query_start_loc_h, reqs + 1)
@@ -143,7 +155,7 @@ class StepBuffers:
             np_bt[:n, :width] = table
             np_slots[:t] = slots
             if pad:
-                np_slots[t:tokens] = 0  # slot 0 of the null block: a scratch slot no request reads
+                np_slots[t:tokens] = pad_slots  # slots 0..q-1 of the null block: scratch no request reads
                 np_bt[n:reqs, 0] = 0
             # Graph replays read the full-width block table view; stale columns past `width` are never read
             # (keys stop at seq_len), so only the used columns are copied.
@@ -151,14 +163,15 @@ class StepBuffers:
             bt[:reqs, :width].copy_(bt_h[:reqs, :width], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return self.views(host, reqs, tokens)
+        return self.views(host, reqs, tokens, q)
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, n: int) -> None:
         dst[:n].copy_(src[:n], non_blocking=True)
 
-    def views(self, host: HostInputs, reqs: int, tokens: int) -> StepInputs:
-        """StepInputs over the first reqs/tokens of the buffers (the block table at full width)."""
+    def views(self, host: HostInputs, reqs: int, tokens: int, query_len: int = 1) -> StepInputs:
+        """StepInputs over the first reqs/tokens of the buffers (the block table at full width); padding
+        requests of query_len 1 count as decodes."""
         attn = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[: reqs + 1],
             seq_lens=self.seq_lens[:reqs],
@@ -172,7 +185,7 @@ class StepBuffers:
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
             block_size=host.block_size,
-            num_decodes=host.num_decodes + (reqs - host.num_reqs),
+            num_decodes=host.num_decodes + (reqs - host.num_reqs if query_len == 1 else 0),
         )
         extra = [
             replace(attn, block_table=bt[:reqs], slot_mapping=sm[:tokens], block_size=g.block_size)
@@ -190,63 +203,74 @@ class StepBuffers:
 
 
 class DecodeGraphs:
-    """CUDA graphs of the model forward for decode-only batches, one per padded size (NOTE 2)."""
+    """CUDA graphs of the model forward for decode-only batches, one per padded size (NOTE 2), and for uniform
+    steps of q > 1 tokens per request, one per (padded size, q) (NOTE 3)."""
 
     def __init__(self, model: Any, backend: Any, kv_caches: list[torch.Tensor], buffers: StepBuffers) -> None:
         self.model, self.backend, self.kv_caches, self.buffers = model, backend, kv_caches, buffers
-        self.sizes: list[int] = []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []  # decode (q = 1) sizes
+        self.sizes_by_query_len: dict[int, list[int]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
 
-    def capture(self, sizes: list[int], block_sizes: list[int]) -> None:
-        """Warm up and capture each size, largest first, in one shared pool (`block_sizes`: one per group)."""
-        sizes = sorted(s for s in sizes if s <= self.buffers.max_reqs)
+    def capture(self, sizes: list[int], block_sizes: list[int], query_lens: tuple[int, ...] = ()) -> None:
+        """Warm up and capture each size, largest first, in one shared pool (`block_sizes`: one per group);
+        then the same for each q in `query_lens` (sizes whose q-token steps fit the buffers)."""
         self._pool = torch.cuda.graph_pool_handle()
-        for size in reversed(sizes):
-            host = _dummy_decode(size, block_sizes)
-            inputs = self.buffers.load(host)
-            metadata = build_attn_metadata(self.backend, inputs)
-            # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
-            self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-            self._graphs[size] = (graph, hidden)
+        lens = [1] + sorted({q for q in query_lens if 1 < q <= min(block_sizes)})
+        for q in lens:
+            fitting = sorted(s for s in sizes if s <= self.buffers.max_reqs and s * q <= self.buffers.max_tokens)
+            for size in reversed(fitting):
+                inputs = self.buffers.load(_dummy_uniform(size, q, block_sizes), query_len=q)
+                metadata = build_attn_metadata(self.backend, inputs)
+                # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
+                self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+                self._graphs[(size, q)] = (graph, hidden)
+            self.sizes_by_query_len[q] = fitting
         torch.cuda.synchronize()
-        self.sizes = sizes
-        logger.info("captured decode CUDA graphs for batch sizes %s", sizes)
+        self.sizes = self.sizes_by_query_len[1]
+        logger.info("captured CUDA graphs for batch sizes (query length: sizes) %s", self.sizes_by_query_len)
 
     def run(self, host: HostInputs) -> tuple[StepInputs, torch.Tensor] | None:
-        """Replay the graph for this decode-only step (padded), or None when no graph fits it."""
-        if host.num_decodes != host.num_reqs:
+        """Replay the graph for this decode-only or uniform step (padded), or None when no graph fits it."""
+        if host.num_decodes == host.num_reqs:
+            q = 1
+        elif host.num_tokens == host.num_reqs * host.max_query_len:
+            q = host.max_query_len
+        else:
             return None
-        size = padded_size(self.sizes, host.num_reqs)
-        if size is None or not self.buffers.fits(host, size):
+        size = padded_size(self.sizes_by_query_len.get(q, []), host.num_reqs)
+        if size is None or not self.buffers.fits(host, size, q):
             return None
-        inputs = self.buffers.load(host, pad_to=size)
-        graph, hidden = self._graphs[size]
+        inputs = self.buffers.load(host, pad_to=size, query_len=q)
+        graph, hidden = self._graphs[(size, q)]
         graph.replay()
         return inputs, hidden
 
 
-def _dummy_decode(num_reqs: int, block_sizes: list[int]) -> HostInputs:
-    """A decode batch of num_reqs one-token requests on the null block (what padding rows look like)."""
-    zeros = np.zeros(num_reqs, dtype=np.int64)
+def _dummy_uniform(num_reqs: int, q: int, block_sizes: list[int]) -> HostInputs:
+    """num_reqs requests of q tokens each on the null block (what padding requests look like, NOTES 2, 3)."""
+    tokens = num_reqs * q
+    zeros = np.zeros(tokens, dtype=np.int64)
+    slots = np.tile(np.arange(q, dtype=np.int64), num_reqs)
     null_table = np.zeros((num_reqs, 1), dtype=np.int32)
     return HostInputs(
         input_ids=zeros,
-        positions=zeros,
-        query_start_loc=np.arange(num_reqs + 1, dtype=np.int32),
-        seq_lens=np.ones(num_reqs, dtype=np.int32),
+        positions=slots,
+        query_start_loc=np.arange(0, tokens + 1, q, dtype=np.int32),
+        seq_lens=np.full(num_reqs, q, dtype=np.int32),
         block_table=null_table,
-        slot_mapping=zeros,
-        logits_indices=np.arange(num_reqs, dtype=np.int64),
+        slot_mapping=slots,
+        logits_indices=np.arange(q - 1, tokens, q, dtype=np.int64),
         num_reqs=num_reqs,
-        num_tokens=num_reqs,
-        max_query_len=1,
-        max_seq_len=1,
+        num_tokens=tokens,
+        max_query_len=q,
+        max_seq_len=q,
         block_size=block_sizes[0],
-        num_decodes=num_reqs,
-        extra_groups=[GroupTable(null_table, zeros, size) for size in block_sizes[1:]],
+        num_decodes=num_reqs if q == 1 else 0,
+        extra_groups=[GroupTable(null_table, slots, size) for size in block_sizes[1:]],
     )

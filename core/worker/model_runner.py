@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
+from pagedllm.kv_cache.spec import MambaSpec
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
@@ -91,18 +92,26 @@ class ModelRunner:
         """Decode batch sizes with a captured CUDA graph (empty when running eagerly)."""
         return self._graphs.sizes if self._graphs else []
 
-    def capture_cuda_graphs(self, sizes: list[int] | None = None) -> list[int]:
+    def capture_cuda_graphs(
+        self, sizes: list[int] | None = None, query_lens: tuple[int, ...] | None = None
+    ) -> list[int]:
         """Capture decode graphs (CUDA, and a backend that declares `supports_cuda_graphs`); returns the sizes.
 
+        `query_lens` (default: the options' uniform_query_lens) adds graphs for uniform steps of q tokens per
+        request (speculative verification, cuda_graphs.py NOTE 3); models with state layers (Mamba) plan
+        decodes and prefills differently on the host, so they get decode graphs only.
         Called once after the KV cache is allocated. Capturing writes only to the null block (cuda_graphs.py
         NOTE 2), so it may also run on a live engine between steps.
         """
         if self._buffers is None or not getattr(self.attn_backend, "supports_cuda_graphs", False):
             return []
         sizes = sizes or list(self.options.graph_batch_sizes or graph_ladder(self.options.max_num_seqs))
+        lens = self.options.uniform_query_lens if query_lens is None else query_lens
+        if any(isinstance(getattr(m, "spec", None), MambaSpec) for m in self.model.modules()):
+            lens = ()
         graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
         with torch.inference_mode():
-            graphs.capture(sizes, self.block_sizes)
+            graphs.capture(sizes, self.block_sizes, lens)
         self._graphs = graphs
         return graphs.sizes
 

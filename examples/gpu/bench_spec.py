@@ -7,7 +7,8 @@
 With --model (real weights) the prompt is a chat asking the model to return a Python file with one small
 edit, so the answer copies most of the prompt: the ngram rows then show the acceptance a real model gets.
 
-Llama-3.1-8B shape, bf16, dummy weights, CUDA graphs for plain decode steps, greedy, ignore_eos. One engine is
+Llama-3.1-8B shape, bf16, dummy weights, CUDA graphs for plain decode steps and for verification steps
+(k + 1 tokens per request, graphs captured for k = 2 and 4), greedy, ignore_eos. One engine is
 built once; each configuration swaps the runner's Speculator (what `speculative.method` would build):
 
   none          plain decoding (the baseline; decode steps replay CUDA graphs)
@@ -169,6 +170,9 @@ def main() -> int:
     result["startup_s"] = round(time.perf_counter() - t0, 2)
     parts = llm.engine.parts
     runner = parts.runner
+    if on_gpu:  # the engine does this itself when `speculative` is configured; here k is swapped per row
+        runner.capture_cuda_graphs(query_lens=(3, 5))
+        result["graph_sizes_by_query_len"] = {str(q): v for q, v in runner._graphs.sizes_by_query_len.items()}
     vocab = int(parts.info.hf_config.vocab_size)
     tokenizer = parts.info.tokenizer
     if args.model and tokenizer is not None:

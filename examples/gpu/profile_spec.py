@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out-len", type=int, default=128)
+    ap.add_argument("--eager-verify", action="store_true", help="no CUDA graphs for verification steps")
     args = ap.parse_args()
     from pagedllm import LLM
     from pagedllm.config import EngineConfig
@@ -46,6 +47,8 @@ def main() -> int:
     llm = LLM(config=cfg)
     engine, parts = llm.engine, llm.engine.parts
     runner, sched = parts.runner, engine.core.scheduler
+    if on_gpu and "--eager-verify" not in sys.argv:
+        runner.capture_cuda_graphs(query_lens=(5,))
     vocab = int(parts.info.hf_config.vocab_size)
     prompt = [1000 + (i * 7919) % (vocab - 2000) for i in range(600)]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
