@@ -72,6 +72,11 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps within the token budget")
     max_waiting: int | None = Field(None, ge=1, description="bound on queued requests (None: unbounded)")
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule and prepare step N+1 while the GPU runs step N (vLLM's async scheduling); "
+        "None = on for one CUDA rank without speculative decoding, off otherwise",
+    )
 
 
 class LoaderConfig(_Section):
@@ -347,6 +352,7 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "max_num_seqs": "scheduler.max_num_seqs",
         "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
         "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+        "async_scheduling": "scheduler.async_scheduling",
         "scheduler_name": "scheduler.name",
         "attention_backend": "attention.backend",
         "load_format": "loader.name",

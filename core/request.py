@@ -66,6 +66,9 @@ class Request:
     # They are not part of the sequence: never hashed, never in all_token_ids; the scheduler schedules them
     # after the known tokens and drops the rejected ones after the step.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling (engine_core.py NOTE 1): tokens sampled by a step still in flight. They count as
+    # sequence positions to schedule (the runner feeds them from the device) but are not known yet.
+    num_output_placeholders: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -85,8 +88,9 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        """Known tokens plus the draft tokens waiting to be verified."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
+        """Known tokens, those sampled by a step in flight, and the draft tokens waiting to be verified."""
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+                + len(self.spec_token_ids))
 
     @property
     def max_tokens(self) -> int:

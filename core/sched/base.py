@@ -98,6 +98,17 @@ class SchedulerBase:
 
     # -- helpers for policies ---------------------------------------------------------------------------------
 
+    def ends_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the tokens a step in flight samples already take the request to max_tokens or
+        the context limit, so it will finish when they land; scheduling it again would compute past its end."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
+            return True
+        return request.num_tokens + pending >= self.max_model_len
+
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch (first in line)."""
         request.status = RequestStatus.PREEMPTED
@@ -124,7 +135,7 @@ class SchedulerBase:
             req = self.requests[rid]
             # Tokens scheduled past the known ones are drafts (a policy that counts num_tokens_with_spec);
             # drafts the budget left out are dropped: a proposal is only good for the step after it.
-            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens - req.num_output_placeholders)
             assert num_spec <= len(req.spec_token_ids), f"{rid}: {n} tokens scheduled beyond its drafts"
             del req.spec_token_ids[num_spec:]
             if num_spec:
@@ -149,6 +160,10 @@ class SchedulerBase:
                 self._in_runner.add(rid)
             self._sent_blocks[rid] = [list(ids) for ids in block_ids]
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                # This step samples the request's next token: until update_from_output brings it, it is a
+                # placeholder (with synchronous steps the update comes before any other schedule()).
+                req.num_output_placeholders += 1
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -175,8 +190,12 @@ class SchedulerBase:
             sampled = runner_output.sampled_token_ids[i]
             if req is None or req.is_finished() or not sampled:
                 continue  # aborted during the step, or a prefill chunk that is not the last
+            req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
             if req.status != RequestStatus.RUNNING:
-                continue  # preempted after being scheduled: its sample is recomputed later
+                # Async scheduling: preempted by a schedule() that ran while this step was in flight. The
+                # token is right (its KV was intact when it was computed): keep it; the recompute includes it.
+                self._append_while_waiting(req, sampled[0], i, runner_output, outputs)
+                continue
             num_drafts = len(spec_scheduled.get(rid, ()))
             if num_drafts:
                 # Verification emitted the accepted drafts plus one token; the rejected drafts' KV slots
@@ -205,6 +224,20 @@ class SchedulerBase:
                 req.spec_token_ids = list(proposals[i])
             outputs.append(out)
         return outputs
+
+    def _append_while_waiting(
+        self, req: Request, token: int, i: int, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
+        req.output_token_ids.append(token)
+        lp = runner_output.logprobs[i]
+        out = EngineCoreOutput(req.request_id, [token], lp[:1] if lp is not None else [],
+                               num_cached_tokens=max(req.num_cached_tokens, 0))
+        if check_stop(req, self.max_model_len):
+            out.finish_reason = req.get_finish_reason()
+            out.stop_reason = req.stop_reason
+            self.waiting.remove(req)
+            self._free(req)
+        outputs.append(out)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)

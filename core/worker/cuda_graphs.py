@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -113,7 +114,13 @@ class StepBuffers:
         width = max([host.block_table.shape[1], *(g.block_table.shape[1] for g in host.extra_groups)])
         return tokens <= self.max_tokens and reqs <= self.max_reqs and width <= self.max_blocks
 
-    def load(self, host: HostInputs, pad_to: int | None = None, query_len: int = 1) -> StepInputs:
+    def load(
+        self,
+        host: HostInputs,
+        pad_to: int | None = None,
+        query_len: int = 1,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> StepInputs:
         """Copy `host` into the buffers (padded to `pad_to` requests of `query_len` tokens each, NOTES 2 and 3)
         and return views of them."""
         n, t = host.num_reqs, host.num_tokens
@@ -141,6 +148,8 @@ class StepBuffers:
             np_lens[n:reqs] = q
             np_logits[n:reqs] = np.arange(t + q - 1, tokens, q)
         self._copy(self.input_ids, self.input_ids_h, tokens)
+        if fill is not None:  # placeholders of a pipelined step, filled from the device (model_runner NOTE 1)
+            fill(self.input_ids)
         self._copy(self.positions, self.positions_h, tokens)
         self._copy(self.query_start_loc, self.query_start_loc_h, reqs + 1)
         self._copy(self.seq_lens, self.seq_lens_h, reqs)
@@ -235,7 +244,9 @@ class DecodeGraphs:
         self.sizes = self.sizes_by_query_len[1]
         logger.info("captured CUDA graphs for batch sizes (query length: sizes) %s", self.sizes_by_query_len)
 
-    def run(self, host: HostInputs) -> tuple[StepInputs, torch.Tensor] | None:
+    def run(
+        self, host: HostInputs, fill: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[StepInputs, torch.Tensor] | None:
         """Replay the graph for this decode-only or uniform step (padded), or None when no graph fits it."""
         if host.num_decodes == host.num_reqs:
             q = 1
@@ -246,7 +257,7 @@ class DecodeGraphs:
         size = padded_size(self.sizes_by_query_len.get(q, []), host.num_reqs)
         if size is None or not self.buffers.fits(host, size, q):
             return None
-        inputs = self.buffers.load(host, pad_to=size, query_len=q)
+        inputs = self.buffers.load(host, pad_to=size, query_len=q, fill=fill)
         graph, hidden = self._graphs[(size, q)]
         graph.replay()
         return inputs, hidden

@@ -14,12 +14,23 @@ On CUDA the inputs go through persistent buffers (pinned host mirrors, non-block
 steps can replay CUDA graphs (worker/cuda_graphs.py); on the CPU each step builds fresh tensors as before.
 `profile_activation_bytes` runs the largest step once so the builder can size the KV cache from what is
 left of the GPU's memory.
+
+Pipelined steps (async scheduling, NOTE 1). `execute_pipelined(so)` launches step N+1 and returns step N's
+output, so the engine's host work (applying N's tokens, detokenizing, scheduling N+2, laying out its inputs)
+runs while the GPU computes N+1, as vLLM's async scheduling does. Step N's samples stay on the device: each
+request that sampled gets a PLACEHOLDER token in its state, and step N+1 -- scheduled before N's tokens are
+known -- feeds that position from N's sampled-ids tensor (a device-side gather into the input ids, before
+any graph replay). Only after launching N+1's forward does the runner wait for N's ids (a non-blocking copy
+into pinned memory), write them over the placeholders, and then sample N+1, so penalties, logits
+processors and seeded generators see exactly the tokens a synchronous run would.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +53,22 @@ from pagedllm.worker.input_prep import (
 from pagedllm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("pagedllm")
+
+PLACEHOLDER = -1  # a token sampled by the step in flight (NOTE 1); never reaches the model or the sampler
+
+
+@dataclass
+class _PendingStep:
+    """A launched step whose sampled ids are still on their way to the host (NOTE 1)."""
+
+    req_ids: list[str]
+    sample_rows: list[int]
+    states: list[CachedRequestState]  # the sampling rows' states (objects: a request may leave meanwhile)
+    positions: list[int]  # index of each sampling row's PLACEHOLDER in its state's outputs
+    sampled: torch.Tensor  # [len(sample_rows)] on the device: the next step gathers its input ids here
+    host: torch.Tensor | None  # pinned copy of `sampled` (CUDA), valid once `ready` has happened
+    ready: Any  # torch.cuda.Event, or None on the CPU (already synchronous)
+    logprobs: Any  # LogprobsTensors | None
 
 
 class ModelRunner:
@@ -77,6 +104,8 @@ class ModelRunner:
         self._buffers: StepBuffers | None = None
         self._graphs: DecodeGraphs | None = None
         self._warned_overflow = False
+        self._pending: _PendingStep | None = None  # pipelined mode: the step in flight (NOTE 1)
+        self._sampled_host: torch.Tensor | None = None
         if device.type == "cuda":
             opts = self.options
             self._buffers = StepBuffers(
@@ -151,20 +180,11 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [], [])
 
-        # Decodes first: backends can batch the query_len == 1 rows together.
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        states = [self.states[r] for r in req_ids]
-        num_sched = [so.num_scheduled_tokens[r] for r in req_ids]
-        num_decodes = sum(1 for n in num_sched if n == 1)
+        req_ids, states, num_sched = self._layout(so)
         # Speculative decoding: a request's scheduled drafts follow its known tokens (core/spec_decode/).
         spec = so.scheduled_spec_decode_tokens
         token_ids = [s.token_ids + spec[r] if r in spec else s.token_ids for r, s in zip(req_ids, states)]
-        computed = [s.num_computed_tokens for s in states]
-        block_ids = [s.block_ids[0] for s in states]
-        more_groups: list[GroupBlockIds] = [
-            ([s.block_ids[g] for s in states], size) for g, size in enumerate(self.block_sizes[1:], start=1)
-        ]
-        inputs, hidden = self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups)
+        inputs, hidden = self._forward_states(states, token_ids, num_sched)
         logits_indices = inputs.logits_indices[: len(states)]  # graph padding rows are never sampled
 
         # Only requests whose scheduled tokens reach the end of their known tokens get a sample.
@@ -217,6 +237,125 @@ class ModelRunner:
             proposals = [drafts_next.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids, sampled, logprobs, proposals)
 
+    def _layout(self, so: SchedulerOutput) -> tuple[list[str], list[CachedRequestState], list[int]]:
+        """The step's requests, decodes first (backends batch the query_len == 1 rows together)."""
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        return req_ids, [self.states[r] for r in req_ids], [so.num_scheduled_tokens[r] for r in req_ids]
+
+    def _forward_states(
+        self,
+        states: list[CachedRequestState],
+        token_ids: list[list[int]],
+        num_sched: list[int],
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[StepInputs, torch.Tensor]:
+        num_decodes = sum(1 for n in num_sched if n == 1)
+        computed = [s.num_computed_tokens for s in states]
+        block_ids = [s.block_ids[0] for s in states]
+        more_groups: list[GroupBlockIds] = [
+            ([s.block_ids[g] for s in states], size) for g, size in enumerate(self.block_sizes[1:], start=1)
+        ]
+        return self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups, fill)
+
+    @torch.inference_mode()
+    def execute_pipelined(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step and return the previous one's output (None if there was none): NOTE 1.
+
+        Not for speculative decoding or tensor parallelism (the engine runs those through `execute`).
+        """
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return self._resolve_pending()
+        req_ids, states, num_sched = self._layout(so)
+        inputs, hidden = self._forward_states(states, [s.token_ids for s in states], num_sched,
+                                              self._placeholder_fill(states, num_sched))
+        # The forward is queued behind the previous step; now take that step's ids (waits for it alone).
+        previous = self._resolve_pending()
+        sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + num_sched[i] >= s.num_tokens]
+        for i, s in enumerate(states):
+            s.num_computed_tokens += num_sched[i]
+        if not sample_rows:
+            self._pending = _PendingStep(req_ids, [], [], [], torch.empty(0), None, None, None)
+            return previous
+        logits_indices = inputs.logits_indices[: len(states)]
+        idx = logits_indices[sample_rows] if len(sample_rows) < len(states) else logits_indices
+        logits = self.model.compute_logits(hidden[idx])
+        rows = [states[i] for i in sample_rows]
+        metadata = SamplingMetadata.build(
+            [r.sampling_params for r in rows], [r.generator for r in rows], [r.prompt_token_ids for r in rows],
+            [r.output_token_ids for r in rows], self.vocab_size, self.device,
+        )
+        out = self.sampler(logits, metadata)
+        host, ready = None, None
+        if self.device.type == "cuda":
+            n = len(rows)
+            if self._sampled_host is None or self._sampled_host.numel() < n:
+                self._sampled_host = torch.empty(max(n, self.options.max_num_seqs), dtype=torch.int64,
+                                                 pin_memory=True)
+            host = self._sampled_host[:n]
+            host.copy_(out.sampled_token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        positions = []
+        for r in rows:
+            positions.append(len(r.output_token_ids))
+            r.append_outputs([PLACEHOLDER])
+        self._pending = _PendingStep(req_ids, sample_rows, rows, positions, out.sampled_token_ids, host, ready,
+                                     out.logprobs)
+        return previous
+
+    def _placeholder_fill(
+        self, states: list[CachedRequestState], num_sched: list[int]
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The device-side write of the previous step's samples into this step's input ids (NOTE 1)."""
+        pending = self._pending
+        if pending is None or not pending.states:
+            return None
+        src_of = {id(st): j for j, st in enumerate(pending.states)}
+        dst, src = [], []
+        row = 0
+        for s, n in zip(states, num_sched, strict=True):
+            row += n
+            j = src_of.get(id(s))
+            if j is not None and s.token_ids[s.num_computed_tokens + n - 1] == PLACEHOLDER:
+                # A request scheduled right after sampling schedules exactly its one pending token.
+                dst.append(row - 1)
+                src.append(j)
+        if not dst:
+            return None
+        index = torch.tensor([dst, src], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        sampled = pending.sampled
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids[index[0]] = sampled[index[1]]
+
+        return fill
+
+    def _resolve_pending(self) -> ModelRunnerOutput | None:
+        """Wait for the step in flight, write its ids over the placeholders, and return its output."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        n = len(pending.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[Any] = [None] * n
+        if pending.sample_rows:
+            if pending.ready is not None:
+                pending.ready.synchronize()
+                tokens = pending.host.tolist() if pending.host is not None else []
+            else:
+                tokens = pending.sampled.tolist()
+            for j, (state, pos) in enumerate(zip(pending.states, pending.positions, strict=True)):
+                state.set_output(pos, tokens[j])
+                sampled[pending.sample_rows[j]] = [tokens[j]]
+            if pending.logprobs is not None:
+                entries = pending.logprobs.to_entries([st.sampling_params.logprobs for st in pending.states])
+                for j, i in enumerate(pending.sample_rows):
+                    logprobs[i] = None if entries[j] is None else [entries[j]]
+        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, [])
+
     def forward_tokens(
         self,
         token_ids: list[list[int]],
@@ -237,23 +376,27 @@ class ModelRunner:
         block_ids: list[list[int]],
         num_decodes: int,
         more_groups: list[GroupBlockIds] | None = None,
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[StepInputs, torch.Tensor]:
         """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors.
 
-        `block_ids` are KV-cache group 0's per request; `more_groups` the other groups' (hybrid models).
+        `block_ids` are KV-cache group 0's per request; `more_groups` the other groups' (hybrid models);
+        `fill` rewrites the input ids on the device before the model reads them (NOTE 1).
         """
         more = more_groups or ()
         if self._buffers is None:  # CPU: fresh tensors per step, exactly as before the GPU path existed
             inputs = prepare_inputs(
                 token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
             )
+            if fill is not None:
+                fill(inputs.input_ids)
         else:
             host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more)
-            replay = self._graphs.run(host) if self._graphs is not None else None
+            replay = self._graphs.run(host, fill) if self._graphs is not None else None
             if replay is not None:
                 return replay
             if self._buffers.fits(host):
-                inputs = self._buffers.load(host)
+                inputs = self._buffers.load(host, fill=fill)
             else:
                 # Larger than the buffers were sized for (options smaller than the scheduler's limits):
                 # still correct, just with per-step allocations. Say so once.
@@ -263,6 +406,8 @@ class ModelRunner:
                 inputs = prepare_inputs(
                     token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
                 )
+                if fill is not None:
+                    fill(inputs.input_ids)
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
 

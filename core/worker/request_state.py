@@ -45,3 +45,8 @@ class CachedRequestState:
         if n:
             self.output_token_ids[-n:] = token_ids
             self._all_token_ids[-n:] = token_ids
+
+    def set_output(self, index: int, token_id: int) -> None:
+        """Write output `index` (a placeholder of a pipelined step, model_runner.py NOTE 1)."""
+        self.output_token_ids[index] = token_id
+        self._all_token_ids[len(self.prompt_token_ids) + index] = token_id

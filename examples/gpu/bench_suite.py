@@ -132,6 +132,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--vllm", help="bench_vllm.py's JSON from the same hour, for the side-by-side table")
     ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     args = ap.parse_args()
     wanted = args.workloads.split(",")
 
@@ -150,11 +151,13 @@ def main() -> int:
         "model": args.model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
         "attention": {"backend": args.backend}, "loader": {"name": "dummy"},
         "kv_cache": {"gpu_memory_utilization": 0.9},
-        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                      "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]},
     })
     t0 = time.perf_counter()
     llm = LLM(config=cfg)
     result["startup_s"] = round(time.perf_counter() - t0, 2)
+    result["async_scheduling"] = llm.engine.core.async_scheduling
     parts = llm.engine.parts
     result["kv_cache_tokens"] = parts.num_blocks * parts.block_size
     result["selections"] = parts.describe()

@@ -23,10 +23,13 @@ class FCFSScheduler(SchedulerBase):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self.ends_in_flight(req):
+                i += 1  # async scheduling: its last token is being sampled now
+                continue
             # Draft tokens (speculative decoding) ride along: they cost budget and KV slots like any token.
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if num_new <= 0:
-                i += 1  # NOTE: only possible for a request whose sample is still pending; skip it
+                i += 1  # nothing new to compute yet (e.g. a request waiting for its drafts' verification)
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
                 # NOTE(1): out of blocks. Evict from the tail (latest admitted): it has done the least work.
