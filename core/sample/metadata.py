@@ -7,6 +7,7 @@ of plain requests pays for nothing but a softmax and a draw.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,10 +93,10 @@ class SamplingMetadata:
         all_random = not any(greedy)
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
-        greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+        greedy_mask = to_device(greedy, torch.bool, device)
 
         # NOTE(1): greedy rows never reach the random path's filters, so they do not switch those on.
         def uses(pred: list[bool]) -> bool:
@@ -141,8 +142,8 @@ class SamplingMetadata:
         min_tokens_mask = None
         if rows:
             min_tokens_mask = (
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(cols, dtype=torch.int64, device=device),
+                to_device(rows, torch.int64, device),
+                to_device(cols, torch.int64, device),
             )
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
@@ -151,7 +152,7 @@ class SamplingMetadata:
             greedy_mask=greedy_mask,
             all_greedy=all_greedy,
             all_random=all_random,
-            top_k=None if no_top_k else torch.tensor(ks, dtype=torch.int64, device=device),
+            top_k=None if no_top_k else to_device(ks, torch.int64, device),
             top_p=None if no_top_p else f32([p.top_p for p in params]),
             min_p=None if no_min_p else f32([p.min_p for p in params]),
             no_top_k=no_top_k,
@@ -176,4 +177,18 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tens
     """Right-pad ragged id lists into one [B, max_len] int64 tensor (at least one column)."""
     width = max(1, max((len(r) for r in rows), default=0))
     padded = [r + [pad_id] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device)
+    return to_device(padded, torch.int64, device)
+
+
+def to_device(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for the GPU.
+
+    NOTE: `torch.tensor(values, device="cuda")` copies from pageable memory and then synchronizes the stream,
+    i.e. waits for every kernel queued so far -- with async scheduling, the whole next forward. A pinned
+    staging tensor and a non-blocking copy keep the host free (the caching host allocator keeps the staging
+    memory alive until the copy has run).
+    """
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

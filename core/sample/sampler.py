@@ -122,7 +122,7 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     """Forbid stop tokens for rows that have not yet produced min_tokens tokens."""
     if metadata.min_tokens_mask is None:
         return logits
-    return logits.index_put(metadata.min_tokens_mask, torch.tensor(_NEG_INF, device=logits.device))
+    return logits.index_put(metadata.min_tokens_mask, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_cache.spec import MambaSpec
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, to_device
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.spec_decode.verification import verify
@@ -278,8 +278,9 @@ class ModelRunner:
             self._pending = _PendingStep(req_ids, [], [], [], torch.empty(0), None, None, None)
             return previous
         logits_indices = inputs.logits_indices[: len(states)]
-        idx = logits_indices[sample_rows] if len(sample_rows) < len(states) else logits_indices
-        logits = self.model.compute_logits(hidden[idx])
+        if len(sample_rows) < len(states):  # (an index from a host list would wait for the forward)
+            logits_indices = logits_indices[to_device(sample_rows, torch.int64, self.device)]
+        logits = self.model.compute_logits(hidden[logits_indices])
         rows = [states[i] for i in sample_rows]
         metadata = SamplingMetadata.build(
             [r.sampling_params for r in rows], [r.generator for r in rows], [r.prompt_token_ids for r in rows],
