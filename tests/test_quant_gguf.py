@@ -2,8 +2,10 @@
 
 1. Our torch decoding of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 equals gguf-py's `quants.dequantize` exactly, on blocks
    made by gguf-py's own quantizer (an independent implementation of llama.cpp's formats).
-2. Each kernel equals dequantize-then-matmul within bfloat16 activation rounding; its row lookup is exact
-   (int8 groups) or within bfloat16 scale rounding (int4).
+2. Each aten kernel equals dequantize-then-matmul within bfloat16 activation rounding; its row lookup is exact
+   (int8 groups) or within bfloat16 scale rounding (int4). The native kernel (gguf_cpu.c) looks rows up
+   exactly, multiplies few rows within int16 activation rounding (a bound per output, below) and many rows
+   exactly through the dequantized matrix; without it (no compiler) the aten kernels take over.
 3. Tiny random llama (untied) / qwen3 (tied) files in Q4_0, Q4_1 and Q8_0 give the same greedy tokens kept
    quantized as dequantized at load, up to the first near-tie of the dense model (random models have them:
    llama Q4_0 parts at step 8 where the dense top two are 0.003 apart), with every logprob within 0.1.
@@ -29,9 +31,15 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
+from pagedllm.plugins.quantization import gguf_native
 from pagedllm.plugins.quantization.gguf_blocks import GGUFBlocks, dequantize_blocks
-from pagedllm.plugins.quantization.gguf_kernels import GroupInt8Kernel, Int4PackKernel
-from pagedllm.plugins.quantization.gguf_method import make_kernel, requantize_int4
+from pagedllm.plugins.quantization.gguf_kernels import (
+    NATIVE_GEMM_ROWS,
+    GroupInt8Kernel,
+    Int4PackKernel,
+    NativeKernel,
+)
+from pagedllm.plugins.quantization.gguf_method import GGUFConfig, make_kernel, requantize_int4
 
 CPU = torch.device("cpu")
 
@@ -68,6 +76,51 @@ def test_kernel_equals_dequantize_then_matmul(qtype: Q, kernel_cls: Any) -> None
     ids = torch.tensor([0, 1, 17, 63, 64, 79])
     tol = 0.0 if kernel_cls is GroupInt8Kernel else 2e-2  # int4: scale and zero rounded to bfloat16
     assert (kernel.rows(ids) - dense[ids]).abs().max().item() <= tol
+
+
+def native() -> Any:
+    lib = gguf_native.native_library()
+    if lib is None:
+        pytest.skip(f"native GGUF kernels unavailable: {gguf_native.unavailable_reason()}")
+    return lib
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_native_kernel_against_dequantized(qtype: Q) -> None:
+    w = np.random.default_rng(3).standard_normal((80, 160)).astype(np.float32)
+    blocks = quantized(w, qtype)
+    dense = blocks.dequantize()
+    kernel: Any = make_kernel(blocks, torch.float32, CPU, cache=False, native=native())
+    assert isinstance(kernel, NativeKernel) and kernel.blocks.data_ptr() == blocks.data.data_ptr()  # no copy
+    ids = torch.tensor([0, 1, 17, 63, 64, 79, 1])
+    assert torch.equal(kernel.rows(ids), dense[ids])  # decoded exactly as dequantize_blocks does
+    for m in (1, 2, 3, 5, 9):  # tiles of 4 rows and every remainder
+        x = torch.randn(m, 160) * torch.logspace(-3, 1, 160)  # blocks with small values next to large ones
+        y, ref = kernel(x), (x.double() @ dense.double().T)
+        # gguf_cpu.c NOTE 2: each 32-block of x rounded to int16, |error| <= max|x_block| / 65534 per value,
+        # so |y - ref| <= sum over blocks of that times sum |w| of the block (plus float32 sums).
+        step = x.reshape(m, -1, 32).abs().amax(-1) / 65534  # [m, blocks]
+        bound = step.double() @ dense.abs().reshape(80, -1, 32).sum(-1).double().T  # [m, 80]
+        assert ((y.double() - ref).abs() <= bound * 1.01 + 1e-4 * ref.abs() + 1e-5).all()
+    x = torch.randn(NATIVE_GEMM_ROWS + 3, 160)  # enough rows: the dequantized matrix and a float GEMM
+    assert torch.allclose(kernel(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert kernel(x.to(torch.bfloat16)[:1]).dtype == torch.bfloat16  # output in the activation dtype
+
+
+def test_native_kernel_falls_back_to_aten_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_GGUF_NATIVE", "0")
+    gguf_native.native_library.cache_clear()
+    try:
+        assert GGUFConfig(cpu_kernel="auto").native_library() is None
+        with pytest.raises(RuntimeError, match="PAGEDLLM_GGUF_NATIVE=0"):
+            GGUFConfig(cpu_kernel="native").native_library()
+    finally:
+        gguf_native.native_library.cache_clear()
+    blocks = quantized(np.ones((64, 64), dtype=np.float32), Q.Q4_1)
+    assert isinstance(make_kernel(blocks, torch.float32, CPU, cache=False, native=None), Int4PackKernel)
+    assert GGUFConfig(cpu_kernel="aten").native_library() is None
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        GGUFConfig(cpu_kernel="fast")
 
 
 def test_int4_requantization_is_close() -> None:
@@ -155,13 +208,21 @@ def write_uniform_gguf(path: Path, arch: str, qtype: Q) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(tmp_path: Path, arch: str, qtype: Q) -> None:
+@pytest.mark.parametrize(
+    ("arch", "qtype", "cpu_kernel"),
+    [(a, q, "auto") for a in ("llama", "qwen3") for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0)]
+    + [("llama", Q.Q4_1, "aten"), ("qwen3", Q.Q8_0, "aten")],
+)
+def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
+    tmp_path: Path, arch: str, qtype: Q, cpu_kernel: str
+) -> None:
     path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
     write_uniform_gguf(path, arch, qtype)
     prompt = [5, 70, 80, 90, 100, 3]
-    kept = LLMEngine(EngineConfig(model=str(path), quantization={"method": "gguf"}), plugin_manager=plugin_manager())
+    kept = LLMEngine(
+        EngineConfig(model=str(path), quantization={"method": "gguf"}, plugins={"gguf": {"cpu_kernel": cpu_kernel}}),
+        plugin_manager=plugin_manager(),
+    )
     dense = LLMEngine(
         EngineConfig(model=str(path), quantization={"method": "none"}), plugin_manager=plugin_manager()
     )

@@ -21,6 +21,11 @@ class GGUFOptions(BaseModel):
     cache_dequantized: bool = Field(
         False, description="types without a fast kernel: keep a float copy after the first call (memory for speed)"
     )
+    cpu_kernel: Literal["auto", "native", "aten"] = Field(
+        "auto", description="Q4_0/Q4_1/Q8_0 on the CPU: 'native' = our C kernels (built at first use with the "
+        "system C compiler; float32 activations), 'aten' = torch's int4/int8 kernels (bfloat16 activations), "
+        "'auto' = native where it builds, else aten"
+    )
 
 
 def _load() -> Any:
@@ -36,5 +41,6 @@ def register_quantization_methods(register: Any) -> None:
         _load,
         requires=["gguf"],
         config_model=GGUFOptions,
-        description="GGUF blocks kept quantized (CPU: int4 / int8 weight-only GEMMs; others dequantized per call)",
+        description="GGUF blocks kept quantized (CPU: C kernels on the blocks, else int4 / int8 weight-only "
+        "GEMMs; other types dequantized per call)",
     )

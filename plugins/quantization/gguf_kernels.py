@@ -3,6 +3,8 @@
 Every kernel computes y = x @ W^T for one [N, K] matrix W and can return dequantized rows W[ids] (so a tied
 embedding and LM head share one quantized copy):
 
+    NativeKernel      Q4_0, Q4_1, Q8_0 on the CPU: the file's blocks as they are, read by our C kernels
+                      (gguf_cpu.c, built at first use) with float32 activations: the default on the CPU
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
@@ -22,6 +24,7 @@ activations and the per-group partial sums are rounded to bfloat16.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,49 @@ from torch import nn
 
 GROUP = 32
 _ACT = torch.bfloat16  # NOTE 1
+# NOTE 3: from this many activation rows on (prefill chunks, large batches) NativeKernel dequantizes the whole
+# matrix (in C, ~0.3 ms for 3072 x 576) and lets MKL's float32 GEMM do the rest; below it its own kernel
+# decodes each block once per 4 rows. Crossover measured on 2 AMD EPYC cores: see docs/perf-notes.md §4.
+NATIVE_GEMM_ROWS = 16
+
+
+class NativeKernel(nn.Module):
+    """The GGUF blocks as stored in the file, multiplied by gguf_cpu.c (float32 activations, exact weights)."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], lib: Any) -> None:
+        super().__init__()
+        self.register_buffer("blocks", data.contiguous())
+        self.ggml_type = int(ggml_type)
+        self.n, self.k = shape
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.k)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
+        if flat.shape[0] >= NATIVE_GEMM_ROWS:
+            y = F.linear(flat, self.dequantize())
+        else:
+            y = torch.empty(flat.shape[0], self.n)
+            self._lib.matmul(self.ggml_type, self.blocks, self.n, self.k, flat, y)
+        if x.dim() != 2 or x.dtype != torch.float32:
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole [N, K] matrix in float32 (a temporary: nothing keeps it)."""
+        out = torch.empty(self.n, self.k)
+        self._lib.dequantize_rows(self.ggml_type, self.blocks, self.n, self.k, None, out)
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] (float32)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.k)
+        self._lib.dequantize_rows(self.ggml_type, self.blocks, self.n, self.k, ids, out)
+        return out
 
 
 class Int4PackKernel(nn.Module):

@@ -1,0 +1,139 @@
+"""The native CPU kernels of the `gguf` method (gguf_cpu.c): compiled once per machine, loaded with ctypes.
+
+    native_library()  -> NativeLibrary, or None with `unavailable_reason()` saying why (no C compiler, a
+                         failed build, PAGEDLLM_GGUF_NATIVE=0); callers then use the aten kernels.
+
+The shared object is built with the system C compiler (`$CC`, else `cc`/`gcc`) on first use, into
+``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``) under a name hashed from the source, the flags, the
+compiler's version and this CPU's flags, so an edit, another compiler or another machine sharing the home
+folder gets its own build. The build goes to a temporary name and is renamed into place, so processes
+starting together (tensor-parallel ranks, test workers) never load a half-written file.
+
+NOTE 1: ``-march=native`` because the file is built where it runs; without AVX2/FMA/F16C the C source falls
+back to scalar loops (correct, slow). ``-ffp-contract=off`` keeps the decoded weights bit-identical to
+``dequantize_blocks`` (gguf_cpu.c NOTE 1).
+NOTE 2: torch must be imported before the library is loaded, so its libgomp is the one our OpenMP calls bind
+to (gguf_cpu.c NOTE 3); importing this module imports torch first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).with_name("gguf_cpu.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+_DISABLE_ENV = "PAGEDLLM_GGUF_NATIVE"
+_reason: str | None = None
+
+
+class NativeLibrary:
+    """Typed wrappers around the two C entry points; tensors must be contiguous CPU tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._matmul = lib.gguf_matmul
+        self._matmul.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
+        self._matmul.restype = c_int
+        self._rows = lib.gguf_dequantize_rows
+        self._rows.argtypes = [c_int, ptr, i64, i64, ptr, i64, ptr, c_int]
+        self._rows.restype = c_int
+
+    def matmul(self, ggml_type: int, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [M, n] = x [M, k] (float32) @ W^T, W the [n, k] matrix whose GGUF blocks are `blocks`."""
+        rc = self._matmul(ggml_type, blocks.data_ptr(), n, k, x.data_ptr(), x.shape[0], out.data_ptr(),
+                          torch.get_num_threads())
+        if rc:
+            raise ValueError(f"gguf_matmul: type {ggml_type} with {k} inputs is not supported (rc {rc})")
+
+    def dequantize_rows(
+        self, ggml_type: int, blocks: torch.Tensor, n: int, k: int, ids: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """out [T, k] = W[ids] in float32 (ids None: all n rows); ids int64, contiguous."""
+        count = n if ids is None else ids.shape[0]
+        rc = self._rows(ggml_type, blocks.data_ptr(), n, k, None if ids is None else ids.data_ptr(), count,
+                        out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise IndexError(f"a row id is outside 0..{n - 1}")
+        if rc:
+            raise ValueError(f"gguf_dequantize_rows: type {ggml_type} with {k} inputs is not supported (rc {rc})")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
+    )
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(), platform.machine()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"gguf_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, either is fine
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def native_library() -> NativeLibrary | None:
+    """The compiled kernels, or None (then `unavailable_reason()` says why). Built and loaded once."""
+    global _reason
+    if os.environ.get(_DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
+        _reason = f"{_DISABLE_ENV}={os.environ[_DISABLE_ENV]}"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _reason = "no C compiler found ($CC, cc, gcc, clang)"
+        return None
+    try:
+        return NativeLibrary(ctypes.CDLL(str(_build(cc))))
+    except (OSError, RuntimeError) as e:
+        _reason = f"building {SOURCE.name} failed: {e}"
+        logger.warning("gguf: native CPU kernels unavailable (%s); using aten's kernels", _reason)
+        return None
+
+
+def unavailable_reason() -> str | None:
+    """Why `native_library()` returned None (None if it has not, or has not been asked yet)."""
+    return _reason
