@@ -8,6 +8,7 @@ prompt lengths, chunked prefill (budget 256), max_tokens 1..64, stop tokens, and
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -53,7 +54,10 @@ def main() -> int:
         result[f"async={mode}_s"] = round(time.perf_counter() - t0, 3)
         outs[mode] = [o.outputs[0].token_ids for o in got]
         result[f"async={mode}_kv_usage_after"] = llm.engine.kv_cache_usage
-        free_engine(llm)
+        free_engine(llm)  # shutdown; the names below must go too before the next engine sizes its cache
+        del llm, got
+        gc.collect()
+        torch.cuda.empty_cache()
     same = [a == b for a, b in zip(outs[False], outs[True], strict=True)]
     result["identical_requests"] = f"{sum(same)}/{len(same)}"
     result["lengths_ok"] = all(len(t) <= p.max_tokens for t, p in zip(outs[True], params, strict=True))
