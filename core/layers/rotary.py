@@ -66,9 +66,41 @@ class RotaryEmbedding(FusedOp, nn.Module):
             return rotary_embedding(
                 positions, query, key, self.cos_cache, self.sin_cache, self.head_size, self.is_neox_style
             )
+        if self.rotary_dim == self.head_size and self.is_neox_style:
+            cos2, sin2 = self._full_width(positions)
+            return self._rotate_full(query, cos2, sin2), self._rotate_full(key, cos2, sin2)
         cos = self.cos_cache[positions].unsqueeze(-2)  # [T, 1, rotary_dim / 2], broadcast over heads
         sin = self.sin_cache[positions].unsqueeze(-2)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _full_width(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[cos | cos] and [-sin | sin] at `positions`, [T, 1, head_size], computed once per step.
+
+        NOTE: on the CPU every step builds a fresh positions tensor and every layer passes that same object to
+        this shared module, so the lookup is kept for the next call with the same object: one lookup per step
+        instead of one per layer (~6 CPU ops each). The memo holds a reference, so the id cannot be reused.
+        (Inference tensors have no version counter to check; nothing writes positions during a step.) Not on
+        CUDA, where a captured graph must contain the lookup and buffers are reused across steps.
+        """
+        memo = self.__dict__.get("_memo")
+        if memo is not None and memo[0] is positions:
+            return memo[1], memo[2]
+        cos = self.cos_cache[positions]
+        sin = self.sin_cache[positions]
+        cos2 = torch.cat((cos, cos), dim=-1).unsqueeze(-2)
+        sin2 = torch.cat((-sin, sin), dim=-1).unsqueeze(-2)
+        if positions.device.type == "cpu":
+            self.__dict__["_memo"] = (positions, cos2, sin2)
+        return cos2, sin2
+
+    def _rotate_full(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """Neox rotation of whole heads: x * [cos|cos] + [x2|x1] * [-sin|sin], bit-identical to `_rotate`
+        (x1 * cos - x2 * sin == x1 * cos + x2 * (-sin) in IEEE arithmetic) in 4 ops instead of 9."""
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_size)
+        half = self.head_size // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos2.to(x.dtype) + swapped * sin2.to(x.dtype)).view(shape)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -57,6 +57,7 @@ class TorchSDPAMetadata:
     decode_valid: torch.Tensor | None = None  # [D, L] bool: position < seq_len
     decode_seq_lens: torch.Tensor | None = None  # [D] int64
     decode_key_positions: torch.Tensor | None = None  # [L] int64
+    decode_common_len: int | None = None  # every decode's seq_len when they are all equal (e.g. just one)
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -128,8 +129,10 @@ class TorchSDPAImpl:
         _store(k_flat, slots, key[:num_tokens], self.k_scale)
         _store(v_flat, slots, value[:num_tokens], self.v_scale)
 
-        out = torch.zeros_like(query)
         num_decodes = metadata.num_decodes
+        if num_decodes == query.shape[0] and not metadata.prefills:  # a decode-only step, no padding rows
+            return self._decode(query, kv_cache, metadata).to(query.dtype)
+        out = torch.zeros_like(query)
         if num_decodes:
             out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata).to(out.dtype)
         for seg in metadata.prefills:
@@ -142,6 +145,18 @@ class TorchSDPAImpl:
         assert md.decode_seq_lens is not None and md.decode_key_positions is not None
         num_decodes = query.shape[0]
         k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kv_heads, head]
+        if md.decode_common_len is not None and self.sliding_window is None and self.soft_cap is None:
+            # NOTE: all contexts end at the same position (single-stream decode): cut the gathered blocks to
+            # it and attend without a mask (no mask to build or read; SDPA takes its unmasked path).
+            length = md.decode_common_len
+            out = F.scaled_dot_product_attention(
+                query.float().unsqueeze(2),
+                k[:, :length].transpose(1, 2),
+                v[:, :length].transpose(1, 2),
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return out.reshape(num_decodes, self.num_heads, self.head_size)
         valid = md.decode_valid
         if self.sliding_window is not None:
             # The query sits at position seq_len - 1; it sees the W positions ending there.
@@ -224,6 +239,8 @@ class TorchSDPABackend:
             md.decode_valid = positions[None, :] < lens[:, None]
             md.decode_seq_lens = lens
             md.decode_key_positions = positions
+            if len(set(seq_lens[:num_decodes])) == 1:
+                md.decode_common_len = seq_lens[0]
 
         for i in range(num_decodes, common.num_reqs):
             start, end, context_len = query_start[i], query_start[i + 1], seq_lens[i]
