@@ -80,14 +80,22 @@ def test_bench_latency_writes_json(tiny_dir: str, tmp_path: Path) -> None:
 def test_bench_latency_against_llamacpp_on_the_default_gguf(default_gguf: str, tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     out = tmp_path / "lat.json"
+    # The side-by-side of issue 7: kept quantized here, dequantized at load in a child, llama.cpp in another,
+    # alternated for two rounds; every row carries its own process's resident memory.
     argv = ["bench", "latency", "--model", default_gguf, "--num-threads", "1", "--input-len", "4",
-            "--output-len", "3", "--num-iters", "1", "--json", str(out), "--compare-llamacpp"]
+            "--output-len", "3", "--num-iters", "1", "--json", str(out), "--compare-llamacpp",
+            "--quantization", "gguf", "--compare-quantization", "none", "--rounds", "2"]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["engine"]["loader"] == "gguf"
     lc = data["results"]["llama.cpp"]  # ran in a child process on the same file
     assert lc["num_iters"] == 1 and lc["decode_tok_per_s"] > 0
     assert "decode_tok_per_s" in data["ratios"]["pagedllm/llama.cpp"]
+    dense = data["results"]["pagedllm (quantization none)"]
+    assert dense["quantization"] == "none" and data["results"]["pagedllm"]["quantization"] == "gguf"
+    for row in (data["results"]["pagedllm"], dense, lc):
+        assert len(row["rounds_decode_tok_per_s"]) == 2 and row["rss_mb"] > 0
+    assert "decode_tok_per_s" in data["ratios"]["pagedllm (quantization none)/llama.cpp"]
 
 
 def test_bench_rejects_a_workload_longer_than_the_context(

@@ -13,6 +13,7 @@ iteration's prefill into a cache hit; all engines see the same ids.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -31,7 +32,9 @@ _COLUMNS = [
     ("prefill_tok_per_s", "prefill tok/s"),
     ("decode_tok_per_s", "decode tok/s"),
     ("output_tok_per_s", "out tok/s"),
+    ("rss_mb", "RSS MB"),
 ]
+LLAMACPP = "llama.cpp"
 
 
 def make_iterations(
@@ -86,16 +89,11 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     warm = make_iterations(1, args.batch_size, args.input_len, token_ids, seed + 1_000_003)[0]
     check_fits(Workload(iterations[0], [args.output_len] * args.batch_size, "random"), target.max_model_len)
 
+    rounds = max(1, getattr(args, "rounds", 1))
+    variants = list(getattr(args, "compare_quantization", None) or [])
     print(f"pagedllm: {args.num_iters} x batch {args.batch_size} ({args.input_len} in, {args.output_len} out), "
-          f"{threads} threads ...", flush=True)
-    results: dict[str, Result] = {
-        OURS: run_ours(target, iterations, args.output_len, warm if args.warmup else None)
-    }
-    if args.compare_hf:
-        results["transformers"] = _run_hf(args, target, iterations)
-    if args.compare_llamacpp:
-        results["llama.cpp"] = _run_llamacpp(args, target, iterations, threads)
-
+          f"{threads} threads, {rounds} round(s) ...", flush=True)
+    results = _run_rounds(args, target, iterations, warm, threads, rounds, variants)
     out: dict[str, Any] = report.header("latency", target.engine_summary(), threads, load_before)
     out["workload"] = {"input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
                        "num_iters": args.num_iters, "seed": seed, "warmup": args.warmup}
@@ -103,6 +101,7 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     out["results"] = results
     out["ratios"] = report.ratios(results, ["decode_tok_per_s", "output_tok_per_s"],
                                   lower_better=["ttft_ms_p50", "tpot_ms_p50"])
+    out["ratios"].update(_variants_vs_llamacpp(results))
     out["load_average_after"] = load_average()
     target.shutdown()
 
@@ -121,6 +120,100 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_rounds(
+    args: argparse.Namespace,
+    target: BenchTarget,
+    iterations: list[list[list[int]]],
+    warm: list[list[int]],
+    threads: int,
+    rounds: int,
+    variants: list[str],
+) -> dict[str, Result]:
+    """Every engine once per round, in the same order each round; a row is the median over rounds.
+
+    NOTE(2): rounds alternate the engines so that a change of load on a shared machine falls on all of them
+    alike; `rounds_decode_tok_per_s` keeps each round's figure to show the spread.
+    """
+    from pagedllm.bench.engine_worker import (
+        EngineWorker,
+        llamacpp_latency_job,
+        ours_latency_job,
+        rss_fields,
+        variant_args,
+    )
+
+    per_round: dict[str, list[Result]] = {}
+    workers: dict[str, EngineWorker] = {}
+    llamacpp_reason = _llamacpp_reason(args, target) if args.compare_llamacpp else None
+    try:
+        for name in [f"{OURS} (quantization {v})" for v in variants]:
+            workers[name] = EngineWorker()
+        if args.compare_llamacpp and llamacpp_reason is None:
+            workers[LLAMACPP] = EngineWorker()
+        for r in range(rounds):
+            first = r == 0
+            res = run_ours(target, iterations, args.output_len, warm if args.warmup and first else None)
+            res["quantization"] = args.quantization or "auto"
+            res.update(rss_fields())
+            per_round.setdefault(OURS, []).append(res)
+            for v in variants:
+                name = f"{OURS} (quantization {v})"
+                print(f"{name}: round {r + 1} in a child process ...", flush=True)
+                job_warm = warm if args.warmup and first else None
+                per_round.setdefault(name, []).append(
+                    workers[name].call(ours_latency_job, variant_args(args, v), iterations, args.output_len, job_warm)
+                )
+            if LLAMACPP in workers:
+                assert target.gguf_path is not None
+                print(f"llama.cpp: round {r + 1} in a child process ...", flush=True)
+                per_round.setdefault(LLAMACPP, []).append(workers[LLAMACPP].call(
+                    llamacpp_latency_job, target.gguf_path, threads, iterations, args.output_len,
+                    args.warmup and first,
+                ))
+    finally:
+        for w in workers.values():
+            w.close()
+    results = {name: median_result(rows) for name, rows in per_round.items()}
+    if args.compare_hf:
+        results["transformers"] = _run_hf(args, target, iterations)
+    if llamacpp_reason is not None:
+        print(f"llama.cpp skipped: {llamacpp_reason}")
+        results[LLAMACPP] = {"skipped": llamacpp_reason}
+    return results
+
+
+def median_result(rows: list[Result]) -> Result:
+    """One row from several rounds: the median of every number; samples pooled; the per-round decode tok/s."""
+    out: Result = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+            out[key] = statistics.median(values)
+    if "_samples" in out:
+        out["_samples"] = {k: [x for r in rows for x in r["_samples"][k]] for k in rows[0]["_samples"]}
+    out["rounds_decode_tok_per_s"] = [round(r["decode_tok_per_s"], 2) for r in rows if r.get("decode_tok_per_s")]
+    return out
+
+
+def _variants_vs_llamacpp(results: dict[str, Result]) -> dict[str, dict[str, float]]:
+    """decode tok/s of every other pagedllm row over llama.cpp's (the main row's is in report.ratios)."""
+    base = results.get(LLAMACPP, {}).get("decode_tok_per_s")
+    out: dict[str, dict[str, float]] = {}
+    for name, res in results.items():
+        if name.startswith(f"{OURS} (") and base and res.get("decode_tok_per_s"):
+            out[f"{name}/{LLAMACPP}"] = {"decode_tok_per_s": round(res["decode_tok_per_s"] / base, 3)}
+    return out
+
+
+def _llamacpp_reason(args: argparse.Namespace, target: BenchTarget) -> str | None:
+    from pagedllm.bench.llamacpp_baseline import unavailable_reason
+
+    reason = unavailable_reason(target)
+    if reason is None and args.batch_size != 1:
+        reason = "llama-cpp-python's Llama decodes one sequence; its latency is measured at --batch-size 1 only"
+    return reason
+
+
 def _run_hf(args: argparse.Namespace, target: BenchTarget, iterations: list[list[list[int]]]) -> Result:
     from pagedllm.bench.hf_baseline import hf_latency, load_hf_model
 
@@ -130,19 +223,3 @@ def _run_hf(args: argparse.Namespace, target: BenchTarget, iterations: list[list
     res["dtype"] = args.hf_dtype
     res["weights"] = "random (from_config)" if target.loader == "dummy" else "same as pagedllm"
     return res
-
-
-def _run_llamacpp(
-    args: argparse.Namespace, target: BenchTarget, iterations: list[list[list[int]]], threads: int
-) -> Result:
-    from pagedllm.bench.llamacpp_baseline import latency_job, run_isolated, unavailable_reason
-
-    reason = unavailable_reason(target)
-    if reason is None and args.batch_size != 1:
-        reason = "llama-cpp-python's Llama decodes one sequence; its latency is measured at --batch-size 1 only"
-    if reason is not None:
-        print(f"llama.cpp skipped: {reason}")
-        return {"skipped": reason}
-    assert target.gguf_path is not None
-    print("llama.cpp: timing in a child process ...", flush=True)
-    return run_isolated(latency_job, target.gguf_path, threads, iterations, args.output_len, args.warmup)

@@ -56,6 +56,11 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--output-len", type=int, default=128)
     w.add_argument("--batch-size", type=int, default=1, help="requests decoded together (1 = single stream)")
     w.add_argument("--num-iters", type=int, default=3, help="timed repetitions")
+    w.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times, alternating, and report medians (shared machines)")
+    w.add_argument("--compare-quantization", nargs="+", default=[], metavar="METHOD",
+                   help="also run our engine with these quantization methods (e.g. none: a GGUF dequantized at "
+                        "load), each in its own process so its RSS is its own")
     w.add_argument("--plot", metavar="PNG", help="TTFT and inter-token latency distributions (needs matplotlib)")
     _add_common(lat)
     add_engine_args(lat)
