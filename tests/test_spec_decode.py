@@ -246,3 +246,32 @@ def test_metrics_exported(target: str) -> None:
     assert samples[("pagedllm:spec_decode_num_draft_tokens_total", None)] == stats.spec_num_draft_tokens
     assert samples[("pagedllm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == stats.spec_num_drafts
     assert samples[("pagedllm:spec_decode_acceptance_rate", None)] == 1.0
+
+
+def test_short_deterministic_proposals_are_padded_to_k() -> None:
+    """An n-gram proposal shorter than k is padded with its last token, so verification steps stay uniform
+    (k + 1 tokens per request: a CUDA graph on the GPU); a proposal with draft probabilities is left as is."""
+    from pagedllm.spec_decode.proposer import Proposals
+    from pagedllm.spec_decode.speculator import Speculator
+    from pagedllm.worker.request_state import CachedRequestState
+
+    class Fixed:
+        def __init__(self, ids: list[int], probs: Any) -> None:
+            self.ids, self.probs = ids, probs
+
+        def propose(self, requests: list[Any]) -> Proposals:
+            return Proposals([list(self.ids) for _ in requests], [self.probs for _ in requests])
+
+        def remove_requests(self, req_ids: Any) -> None:
+            pass
+
+    def state(max_tokens: int) -> CachedRequestState:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return CachedRequestState("r", [1, 2, 3], [4], params, None, [[1]], 4)
+
+    assert Speculator(Fixed([7, 8], None), 4, 64, 384).propose([state(32)]) == {"r": [7, 8, 8, 8]}
+    # Near max_tokens fewer drafts are allowed (at most max_tokens - outputs - 1): padded only that far.
+    assert Speculator(Fixed([7], None), 4, 64, 384).propose([state(4)]) == {"r": [7, 7]}
+    q = torch.full((2, 384), 1 / 384)
+    assert Speculator(Fixed([7, 8], q), 4, 64, 384).propose([state(32)]) == {"r": [7, 8]}
+    assert Speculator(Fixed([], None), 4, 64, 384).propose([state(32)]) == {}

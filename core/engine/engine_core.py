@@ -159,7 +159,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return bool(self._errors) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._errors = self._errors, []
@@ -175,19 +175,16 @@ class EngineCore:
 
     def _step_pipelined(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Launch the next step, then apply the one before it (NOTE 1)."""
-        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+        # A request whose last token is in flight is still running, so "no unfinished requests" means the
+        # step in flight (if any) only serves finished or aborted ones: it is applied, and ignored, later.
+        if not self.scheduler.has_unfinished_requests():
             return outputs
-        scheduler_output = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
-        if scheduler_output is not None:
-            previous = self.runner.execute_pipelined(scheduler_output)
-        else:
-            previous = self.runner.execute_pipelined(self.scheduler.make_output({}))
+        scheduler_output = self.scheduler.schedule()
+        previous = self.runner.execute_pipelined(scheduler_output)
         if previous is not None:
             outputs.extend(self.scheduler.update_from_output(self._in_flight, previous))
-        launched = scheduler_output is not None and not scheduler_output.is_empty
-        self._in_flight = scheduler_output if launched else None
-        if scheduler_output is not None:
-            self._report(scheduler_output)
+        self._in_flight = None if scheduler_output.is_empty else scheduler_output
+        self._report(scheduler_output)
         return outputs
 
     def _report(self, scheduler_output: Any) -> None:

@@ -66,6 +66,12 @@ class Speculator:
             ids = list(ids[: req.max_drafts])
             if not ids:
                 continue
+            if probs is None and len(ids) < req.max_drafts:
+                # NOTE: a deterministic proposal (n-gram) shorter than allowed is padded by repeating its last
+                # token. Any draft is a valid guess (verification keeps the output exact); a full-length one
+                # makes the step uniform (k + 1 tokens per request), which replays a CUDA graph instead of
+                # running eagerly (cuda_graphs.py NOTE 3). At small batches the extra rows cost ~nothing.
+                ids += [ids[-1]] * (req.max_drafts - len(ids))
             out[req.req_id] = ids
             if probs is not None:
                 self._draft_probs[req.req_id] = probs
