@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
@@ -56,16 +58,21 @@ def test_padding_rows_are_harmless_decodes() -> None:
     assert attn.slot_mapping.tolist()[2:] == [0, 0]  # the null block's slot 0
     assert attn.block_table[2:, 0].tolist() == [0, 0]
 
-    # The real rows' attention output is the same with and without the padding rows (torch backend).
+    _assert_padding_harmless(attn, prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 2).attn)
+
+
+def _assert_padding_harmless(padded: Any, plain: Any) -> None:
+    """The real rows' attention output (torch backend) is the same with and without the padding requests,
+    and the padding rows are finite."""
     layer = AttentionLayerConfig(4, 8, 2, 8**-0.5)
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 10, 4, 2, 8, generator=gen)
-    q, k, v = (torch.randn(4, h, 8, generator=gen) for h in (4, 2, 2))
+    t, n = padded.num_actual_tokens, plain.num_actual_tokens
+    q, k, v = (torch.randn(t, h, 8, generator=gen) for h in (4, 2, 2))
     impl = TorchSDPABackend.make_impl(layer)
-    out_pad = impl.forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(attn))
-    plain = prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 2)
-    out = impl.forward(q[:2], k[:2], v[:2], cache.clone(), TorchSDPABackend.build_metadata(plain.attn))
-    assert torch.allclose(out_pad[:2], out, atol=1e-6)
+    out_pad = impl.forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(padded))
+    out = impl.forward(q[:n], k[:n], v[:n], cache.clone(), TorchSDPABackend.build_metadata(plain))
+    assert torch.allclose(out_pad[:n], out, atol=1e-6)
     assert torch.isfinite(out_pad).all()
 
 
@@ -89,16 +96,7 @@ def test_uniform_multi_token_padding() -> None:
     assert padded.logits_indices.tolist() == [2, 5, 8, 11]
     assert attn.block_table[2:, 0].tolist() == [0, 0]
 
-    layer = AttentionLayerConfig(4, 8, 2, 8**-0.5)
-    gen = torch.Generator().manual_seed(1)
-    cache = torch.randn(2, 10, 4, 2, 8, generator=gen)
-    qs, k, v = (torch.randn(12, h, 8, generator=gen) for h in (4, 2, 2))
-    impl = TorchSDPABackend.make_impl(layer)
-    out_pad = impl.forward(qs, k, v, cache.clone(), TorchSDPABackend.build_metadata(attn))
-    plain = prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 0)
-    out = impl.forward(qs[:6], k[:6], v[:6], cache.clone(), TorchSDPABackend.build_metadata(plain.attn))
-    assert torch.allclose(out_pad[:6], out, atol=1e-6)
-    assert torch.isfinite(out_pad).all()
+    _assert_padding_harmless(attn, prepare_inputs(tokens, computed, sched, blocks, 4, CPU, 0).attn)
 
 
 def test_profile_batch_stays_within_positions_and_disjoint_blocks() -> None:
