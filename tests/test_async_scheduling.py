@@ -112,3 +112,16 @@ def test_async_scheduling_refused_with_speculation(model_dir: str) -> None:
         LLM(model_dir, block_size=4, async_scheduling=True, speculative_method="ngram")
     # Left to itself (None) it is off on the CPU.
     assert not LLM(model_dir, block_size=4).engine.core.async_scheduling
+
+
+
+def test_scheduler_plugins_opt_in(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler policy runs pipelined only if it declares supports_async_scheduling (the base class does
+    not); asking for async scheduling with one that does not names the plugin."""
+    from pagedllm.plugins.schedulers.fcfs_scheduler import FCFSScheduler
+    from pagedllm.sched.base import SchedulerBase
+
+    assert SchedulerBase.supports_async_scheduling is False and FCFSScheduler.supports_async_scheduling is True
+    monkeypatch.setattr(FCFSScheduler, "supports_async_scheduling", False)
+    with pytest.raises(ValueError, match="scheduler plugin 'fcfs' does not declare supports_async_scheduling"):
+        LLM(model_dir, block_size=4, async_scheduling=True)

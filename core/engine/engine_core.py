@@ -81,7 +81,9 @@ class EngineCore:
         why_not = (
             "speculative decoding verifies drafts against known tokens" if config.speculative.method else
             "tensor-parallel ranks step in lockstep" if self.parts.tp_size > 1 else
-            "the model runner has no pipelined step" if not hasattr(self.runner, "execute_pipelined") else None
+            "the model runner has no pipelined step" if not hasattr(self.runner, "execute_pipelined") else
+            f"scheduler plugin {config.scheduler.name!r} does not declare supports_async_scheduling"
+            if not getattr(self.scheduler, "supports_async_scheduling", False) else None
         )
         if wanted is None:
             return why_not is None and self.parts.device.type == "cuda"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.messages import (
@@ -37,6 +37,13 @@ class SchedulerContext:
 
 
 class SchedulerBase:
+    # Async scheduling (engine_core.py NOTE 1) runs schedule() while the previous step is in flight. A policy
+    # that declares it must: schedule running requests by `num_tokens_with_spec` (it counts the in-flight
+    # placeholders), skip those `ends_in_flight`, and not re-admit in the same call a request it just
+    # preempted while `num_output_placeholders` > 0 (its in-flight token is not in its prompt+outputs yet).
+    # Policies that do not declare it run with synchronous steps.
+    supports_async_scheduling: ClassVar[bool] = False
+
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
         self.config = ctx.config

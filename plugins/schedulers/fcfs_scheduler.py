@@ -14,6 +14,9 @@ from pagedllm.sched.base import SchedulerBase
 
 
 class FCFSScheduler(SchedulerBase):
+    # Running requests go by num_tokens_with_spec and skip ends_in_flight; a step that preempts admits nobody.
+    supports_async_scheduling = True
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
