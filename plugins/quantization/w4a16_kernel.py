@@ -18,6 +18,8 @@ gathered once per code; with no act-order the step lies inside one group, so zer
 NOTE 3: with SPLIT_K > 1 the programs of one tile add float32 partial sums atomically into a zeroed buffer,
 cast to the activation dtype afterwards (summation order, so the last bits, may vary run to run).
 NOTE 4: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
+NOTE 5: decode (at most 8 rows) goes to the GEMV in w4a16_gemv.py instead (w4a16_matmul picks): this GEMM
+pads M to 16 rows for tl.dot and reads far below the 4-bit stream's bandwidth there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
 
@@ -167,3 +170,19 @@ def w4a16_gemm(
         num_warps=warps,
     )
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    layout: PackedLayout,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """y = x @ dequantize(...) by the GEMV for decode-sized inputs, the GEMM otherwise (NOTE 5)."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if m > 0 and gemv_reason(layout, m, g_idx) is None:
+        return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
+    return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)

@@ -4,7 +4,8 @@ Parameters carry the checkpoint's names (`qweight`, `qzeros`, `scales`, GPTQ's `
 w4a16_layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor` attributes let the layer's
 loader place fused pieces and tensor-parallel shards without knowing the format.
 
-    apply on CUDA   the Triton GEMM dequantizes in registers (w4a16_kernel.py)
+    apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16_gemv.py), else
+                    the GEMM (w4a16_kernel.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
 """
 
@@ -127,9 +128,9 @@ class PackedIntLinearMethod:
             x = x.index_select(-1, perm)
         qweight, qzeros, scales = (cast(torch.Tensor, getattr(layer, n)) for n in ("qweight", "qzeros", "scales"))
         if x.is_cuda:
-            from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
+            from pagedllm.plugins.quantization.w4a16_kernel import w4a16_matmul
 
-            y = w4a16_gemm(x, lay, qweight, qzeros, scales, g_idx, scales.shape[1])
+            y = w4a16_matmul(x, lay, qweight, qzeros, scales, g_idx, scales.shape[1])
             return y + bias if bias is not None else y
         w_t = dequantize(lay, qweight, qzeros, scales, g_idx, dtype=x.dtype)  # [K, N]
         return F.linear(x, w_t.t(), bias)
