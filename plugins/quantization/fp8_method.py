@@ -6,7 +6,8 @@
 
     apply, CUDA with compute capability >= 8.9 and activations quantized:
         x_q = fp8(x / a),  y = torch._scaled_mm(x_q, W_q^T, scale_a=a [M, 1], scale_b=row scale [1, N])
-        a = per-token max|x| / 448 (dynamic) or the static input scale
+        a = per-token max|x| / 448 (dynamic) or the static input scale; x_q and a in one Triton pass
+        (fp8_kernel.py), bit-identical to quantize_activations_torch
     apply, anywhere else (CPU, Ampere, weight-only checkpoints):
         y = x @ (W_q * row scale)^T, dequantized per call: weights stay 1 byte, activations unquantized (W8A16)
 """
@@ -45,6 +46,29 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
     return (w / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_activations_torch(
+    flat: torch.Tensor, static: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 x / a, a [M, 1] float32): a = max|row| / 448 per token, or the static scale.
+
+    The reference semantics; fp8_kernel.quantize_per_token computes the same bits in one pass.
+    """
+    if static is not None:
+        a = static.reshape(1, 1).float().expand(flat.shape[0], 1).contiguous()
+    else:
+        a = (flat.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (flat.float() / a).clamp(-FP8_MAX, FP8_MAX).to(FP8), a
+
+
+def quantize_activations(flat: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activations_torch's result; on CUDA by the fused Triton kernel (one read of x, not ~5 passes)."""
+    if not flat.is_cuda:
+        return quantize_activations_torch(flat, static)
+    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
+
+    return quantize_per_token(flat if flat.stride(-1) == 1 else flat.contiguous(), static)
 
 
 def scaled_mm_reason(device: torch.device, k: int, n: int) -> str | None:
@@ -137,11 +161,7 @@ class Fp8LinearMethod:
             return F.linear(x, w.to(x.dtype), bias)
         flat = x.reshape(-1, x.shape[-1])
         static = cast(torch.Tensor | None, getattr(layer, "fp8_input_scale", None))
-        if static is not None:
-            a = static.expand(flat.shape[0], 1).contiguous()
-        else:
-            a = (flat.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
-        x_q = (flat.float() / a).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        x_q, a = quantize_activations(flat, static)
         # Row-wise scales need a bfloat16 output (cuBLASLt); the model dtype is restored after.
         y = torch._scaled_mm(x_q, weight.t(), scale_a=a, scale_b=row_scale.unsqueeze(0), out_dtype=torch.bfloat16)
         y = y.to(x.dtype)
