@@ -58,6 +58,7 @@ class TorchSDPAMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [D] int64
     decode_key_positions: torch.Tensor | None = None  # [L] int64
     decode_common_len: int | None = None  # every decode's seq_len when they are all equal (e.g. just one)
+    decode_first_block: int | None = None  # one decode whose blocks are consecutive ids: the first of them
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -144,7 +145,16 @@ class TorchSDPAImpl:
         assert md.decode_blocks is not None and md.decode_valid is not None
         assert md.decode_seq_lens is not None and md.decode_key_positions is not None
         num_decodes = query.shape[0]
-        k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kv_heads, head]
+        if md.decode_first_block is not None and not _is_fp8(kv_cache.dtype):
+            # NOTE: a lone request's blocks are often consecutive ids (a fresh pool hands them out in order):
+            # then its context is a view of the cache, no gather copy (the gather was ~55 us per layer).
+            assert md.decode_blocks is not None
+            start, count = md.decode_first_block, md.decode_blocks.shape[1]
+            two, _, block_size, kv_heads, head = kv_cache.shape
+            kv = kv_cache[:, start : start + count].reshape(two, 1, count * block_size, kv_heads, head).float()
+            k, v = kv[0], kv[1]
+        else:
+            k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kvh, head]
         if md.decode_common_len is not None and self.sliding_window is None and self.soft_cap is None:
             # NOTE: all contexts end at the same position (single-stream decode): cut the gathered blocks to
             # it and attend without a mask (no mask to build or read; SDPA takes its unmasked path).
@@ -241,6 +251,10 @@ class TorchSDPABackend:
             md.decode_key_positions = positions
             if len(set(seq_lens[:num_decodes])) == 1:
                 md.decode_common_len = seq_lens[0]
+            if num_decodes == 1 and num_blocks > 0:
+                ids = block_table[0, :num_blocks]
+                if device.type == "cpu" and bool((ids[1:] - ids[:-1] == 1).all()):  # host tensor: no sync
+                    md.decode_first_block = int(ids[0])
 
         for i in range(num_decodes, common.num_reqs):
             start, end, context_len = query_start[i], query_start[i + 1], seq_lens[i]
