@@ -74,6 +74,31 @@ def pack_along_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
 
 
+def pack_along_columns(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] codes -> [R, C * bits/32] int32 words, packed along the last axis in order (GPTQ's qzeros)."""
+    pf = 32 // bits
+    shifts = torch.arange(pf, device=codes.device, dtype=torch.int64) * bits
+    words = (codes.long().view(codes.shape[0], -1, pf) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_to_gptq(
+    layout: PackedLayout, qweight: torch.Tensor, qzeros: torch.Tensor, rows_per_chunk: int = 1024
+) -> tuple[PackedLayout, torch.Tensor, torch.Tensor]:
+    """AWQ GEMM tensors -> the same codes in the GPTQ v2 packing: (layout, qweight [K/8, N], qzeros [G, N/8]).
+
+    The bytes per weight do not change; inputs are packed along K instead of outputs along N, which lets the
+    decode GEMV (w4a16_gemv.py) load one word row per eight inputs and keep the reduction over K in-thread.
+    Done `rows_per_chunk` inputs at a time so the unpacked int64 codes never hold a whole layer.
+    """
+    assert layout.kind == "awq" and layout.bits == 4, layout
+    pieces = []
+    for k0 in range(0, qweight.shape[0], rows_per_chunk):
+        pieces.append(pack_along_rows(unpack_along_columns(qweight[k0 : k0 + rows_per_chunk], 4, awq_order=True), 4))
+    zeros = unpack_along_columns(qzeros, 4, awq_order=True)
+    return PackedLayout("gptq", 4, layout.group_size, 0), torch.cat(pieces), pack_along_columns(zeros, 4)
+
+
 def sort_act_order(layout: PackedLayout, qweight: torch.Tensor, g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """GPTQ act-order: (qweight with inputs sorted by group, perm) so that x[:, perm] @ W^T[perm] = x @ W^T.
 

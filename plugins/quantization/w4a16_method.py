@@ -4,6 +4,7 @@ Parameters carry the checkpoint's names (`qweight`, `qzeros`, `scales`, GPTQ's `
 w4a16_layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor` attributes let the layer's
 loader place fused pieces and tensor-parallel shards without knowing the format.
 
+    after loading   AWQ's codes are repacked into the GPTQ order (same bytes); act-order inputs are sorted
     apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16_gemv.py), else
                     the GEMM (w4a16_kernel.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
-from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, dequantize, sort_act_order
+from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, awq_to_gptq, dequantize, sort_act_order
 
 
 def _param(data: torch.Tensor, **attrs: Any) -> nn.Parameter:
@@ -100,9 +101,14 @@ class PackedIntLinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         g_idx = cast(torch.Tensor | None, getattr(layer, "g_idx", None))
-        layer.__dict__["w4a16_layout"] = PackedLayout(
-            self.layout.kind, self.layout.bits, self._group, self.layout.zero_offset
-        )
+        layout = PackedLayout(self.layout.kind, self.layout.bits, self._group, self.layout.zero_offset)
+        if layout.kind == "awq":
+            # NOTE: AWQ's codes are repacked once into the GPTQ order (inputs along K, zeros in order), the
+            # layout the decode GEMV streams; same bytes. The loader attributes of qweight describe the
+            # checkpoint's packing and are not used after loading.
+            qweight, qzeros = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.qzeros)
+            layout, qweight.data, qzeros.data = awq_to_gptq(layout, qweight.data, qzeros.data)
+        layer.__dict__["w4a16_layout"] = layout
         act_order, perm = None, None
         if g_idx is not None:
             trivial = torch.arange(g_idx.shape[0], device=g_idx.device, dtype=g_idx.dtype) // self._group
