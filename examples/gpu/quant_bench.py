@@ -1,14 +1,19 @@
-"""W4A16 (AWQ / GPTQ layouts) and FP8 linear layers on the GPU: agreement, block tuning, speed vs bf16.
+"""W4A16 (AWQ / GPTQ) and FP8 W8A8 linear layers vs bf16: agreement and speed, per decoder layer.
 
-    python examples/gpu/quant_bench.py --out $OUT/quant.json [--quick]
+    python examples/gpu/quant_bench.py --out $OUT/quant.json [--quick]      # one H200, < 8 minutes
+    python examples/gpu/quant_bench.py --dry-run --out /tmp/quant.json      # CPU, Triton interpreter, tiny shapes
 
-Llama-3.1-8B linear shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336), random codes:
-  1. agreement: the Triton W4A16 GEMM and the FP8 method vs dequantize-then-matmul in float32
-  2. tuning at M = 1: every (BLOCK_N, BLOCK_K, warps) of a small grid, per shape; the best is reported
-  3. time per decoder layer's four linears (CUDA-graph replay, triton.testing.do_bench_cudagraph), bf16
-     F.linear vs W4 AWQ / W4 GPTQ (+ act-order) / W8 / W2 at M = 1, 16 (decode) and 2048 (prefill);
-     FP8 W8A8 (torch._scaled_mm, dynamic per-token activations, quantization included) vs bf16 at
-     M = 2048, 8192 (prefill-heavy)
+Llama-3.1-8B linear shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336), random codes,
+group 128; times are µs for one decoder layer's four linears (CUDA-graph replay, do_bench_cudagraph):
+  1. agreement: W4 (the dispatcher: GEMV at M <= 8, GEMM above) vs dequantize-then-matmul in float32, AWQ
+     (repacked at load as the method does) and GPTQ v1; FP8: the fused per-token quantization's bytes and
+     scales vs the torch code, and the W8A8 output vs its dequantized weights
+  2. tuning at M = 1: the GEMV's (BLOCK_N, BLOCK_K, warps, SPLIT_K) over a small grid, per shape
+  3. speed, with each variant's relative error printed beside its time:
+     bf16 F.linear | W4 dispatch | W4 GEMM alone (M <= 8, the old path) at M = 1, 2, 4, 8, 16, 2048, 8192;
+     FP8 W8A8 (fused quantization) | FP8 with the torch quantization (the old path) at M = 1, 16, 2048, 8192
+--dry-run runs every stage on the CPU under TRITON_INTERPRET=1 with tiny shapes and float16 (the interpreter's
+bfloat16 math is wrong), FP8's _scaled_mm emulated in float32: it checks the script, not speed.
 Only pagedllm's quantization modules are imported (torch + triton; no engine, no pydantic).
 """
 
@@ -17,185 +22,249 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+if "--dry-run" in sys.argv:  # before triton is imported anywhere
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def to_int32(v: torch.Tensor) -> torch.Tensor:
-    v = v & 0xFFFFFFFF
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES_TINY = {"qkv": (192, 256), "o": (128, 256), "gate_up": (320, 256), "down": (128, 384)}
+GROUP = 128
 
 
-def pack_awq(codes: torch.Tensor) -> torch.Tensor:
-    """[R, C] 4-bit codes -> [R, C/8] AWQ words (output 8c + AWQ_ORDER[i] in nibble i)."""
-    v = codes.long().view(codes.shape[0], -1, 8)[:, :, AWQ_ORDER]
-    shifts = torch.arange(8, device=codes.device) * 4
-    return to_int32((v << shifts).sum(-1))
+@dataclass
+class Ctx:
+    device: str
+    dtype: torch.dtype
+    shapes: dict[str, tuple[int, int]]
+    w4_ms: tuple[int, ...]
+    fp8_ms: tuple[int, ...]
+    dry_run: bool
+    quick: bool
+
+    def time_us(self, fn: Callable[[], Any]) -> float:
+        if self.dry_run:  # the interpreter: one call, to prove the path runs (not a speed)
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        import triton.testing
+
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40)) * 1000
 
 
-def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    pf = 32 // bits
-    v = codes.long().view(codes.shape[0], -1, pf)
-    return to_int32((v << (torch.arange(pf, device=codes.device) * bits)).sum(-1))
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    pf = 32 // bits
-    v = codes.long().view(-1, pf, codes.shape[1])
-    return to_int32((v << (torch.arange(pf, device=codes.device) * bits).view(1, pf, 1)).sum(1))
+# ---- packed W4 weights -----------------------------------------------------------------------------------
+
+def make_packed(ctx: Ctx, kind: str, n: int, k: int) -> dict[str, Any]:
+    """Random 4-bit codes in the checkpoint's packing, then what the method keeps after loading."""
+    from pagedllm.plugins.quantization.w4a16_layout import (
+        AWQ_ORDER,
+        PackedLayout,
+        awq_to_gptq,
+        pack_along_columns,
+        pack_along_rows,
+    )
+
+    dev = ctx.device
+    q = torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32)
+    z = torch.randint(1, 16, (k // GROUP, n), device=dev, dtype=torch.int32)
+    s = (torch.rand(k // GROUP, n, device=dev) * 0.02 + 0.001).to(ctx.dtype)
+    if kind == "awq":  # AutoAWQ's packing (output 8c + AWQ_ORDER[i] in nibble i), repacked as the method does
+        order = list(AWQ_ORDER)
+        layout = PackedLayout("awq", 4, GROUP)
+        qweight = pack_along_columns(q.view(k, -1, 8)[:, :, order].reshape(k, n), 4)
+        qzeros = pack_along_columns(z.view(z.shape[0], -1, 8)[:, :, order].reshape(z.shape[0], n), 4)
+        layout, qweight, qzeros = awq_to_gptq(layout, qweight, qzeros)
+    else:  # GPTQ v1: zeros stored minus one
+        layout = PackedLayout("gptq", 4, GROUP, zero_offset=1)
+        qweight, qzeros = pack_along_rows(q, 4), pack_along_columns(z - 1, 4)
+    w_t = ((q - z.repeat_interleave(GROUP, 0)).float() * s.float().repeat_interleave(GROUP, 0))  # [K, N]
+    return dict(layout=layout, qweight=qweight, qzeros=qzeros, scales=s, n=n, w_t=w_t)
 
 
-def make_packed(kind: str, bits: int, n: int, k: int, group: int, act_order: bool) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+def w4_call(p: dict[str, Any], x: torch.Tensor, kernel: str = "dispatch", blocks: Any = None) -> torch.Tensor:
+    from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm, w4a16_matmul
 
-    maxq = (1 << bits) - 1
-    q = torch.randint(0, maxq + 1, (k, n), device="cuda", dtype=torch.int32)
-    z = torch.randint(1, maxq + 1, (k // group, n), device="cuda", dtype=torch.int32)
-    s = (torch.rand(k // group, n, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
-    g_idx = None
-    if kind == "awq":
-        layout = PackedLayout("awq", 4, group)
-        qweight, qzeros = pack_awq(q), pack_awq(z)
-    else:
-        layout = PackedLayout("gptq", bits, group, zero_offset=1)
-        qweight, qzeros = pack_rows(q, bits), pack_cols(z - 1, bits)
-        if act_order:
-            g_idx = (torch.randperm(k, device="cuda") // group).to(torch.int32)
-    return dict(layout=layout, qweight=qweight, qzeros=qzeros, scales=s, g_idx=g_idx, n=n)
+    args = (x, p["layout"], p["qweight"], p["qzeros"], p["scales"])
+    if kernel == "gemm":
+        return w4a16_gemm(*args, None, p["n"])
+    if kernel == "gemv":
+        return w4a16_gemv(*args, p["n"], blocks=blocks)
+    return w4a16_matmul(*args, None, p["n"])
 
 
-def bench(fn: Any) -> float:
-    """Median microseconds of one call, replayed in a CUDA graph (launch overhead out, as in decode)."""
-    import triton.testing
+# ---- FP8 W8A8 --------------------------------------------------------------------------------------------
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=40)) * 1000
+def make_fp8(ctx: Ctx, n: int, k: int) -> dict[str, Any]:
+    """bf16 weights quantized per output row (the on-the-fly method); float32 reference weights."""
+    from pagedllm.plugins.quantization.fp8_method import quantize_rows
+
+    w = (torch.randn(n, k, device=ctx.device) * 0.02).to(ctx.dtype)
+    w_q, row_scale = quantize_rows(w)
+    return dict(w=w, w_q=w_q, row_scale=row_scale, w_deq=w_q.float() * row_scale.unsqueeze(1))
 
 
-def agreement(results: dict[str, Any]) -> None:
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
-    from pagedllm.plugins.quantization.w4a16_layout import dequantize
+def fp8_call(ctx: Ctx, p: dict[str, Any], x: torch.Tensor, quant: str = "fused") -> torch.Tensor:
+    """fp8_method's W8A8 apply: quantize x per token, then _scaled_mm (emulated in float32 on a dry run)."""
+    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
+    from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
+
+    x_q, a = quantize_per_token(x) if quant == "fused" else quantize_activations_torch(x)
+    if ctx.dry_run:
+        return ((x_q.float() * a) @ p["w_deq"].t()).to(x.dtype)
+    y = torch._scaled_mm(x_q, p["w_q"].t(), scale_a=a, scale_b=p["row_scale"].unsqueeze(0), out_dtype=torch.bfloat16)
+    return y.to(x.dtype)
+
+
+# ---- stages ----------------------------------------------------------------------------------------------
+
+def agreement(ctx: Ctx, results: dict[str, Any]) -> None:
+    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
+    from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
+    from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason
 
     out = results.setdefault("agreement", {})
-    n, k = SHAPES["o"]
-    for name, kind, bits, act in [("awq4", "awq", 4, False), ("gptq4_actorder", "gptq", 4, True),
-                                  ("gptq8", "gptq", 8, False), ("gptq2", "gptq", 2, False)]:
-        p = make_packed(kind, bits, n, k, 128, act)
-        w_t = dequantize(p["layout"], p["qweight"], p["qzeros"], p["scales"], p["g_idx"], dtype=torch.float32)
-        for m in (1, 16, 300):
-            for dtype in (torch.bfloat16, torch.float16):
-                x = torch.randn(m, k, device="cuda").to(dtype)
-                y = w4a16_gemm(x, p["layout"], p["qweight"], p["qzeros"], p["scales"].to(dtype), p["g_idx"], n)
-                ref = x.float() @ w_t
-                out[f"{name}_m{m}_{str(dtype)[6:]}"] = float((y.float() - ref).norm() / ref.norm())
-    for m in (1, 300):
-        layer, w = fp8_layer(n, k)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = x.float() @ (layer.weight.float() * layer.fp8_row_scale.unsqueeze(1)).t()
-        y = layer.quant_method.apply(layer, x, None)
-        out[f"fp8_scaled_mm_m{m}"] = float((y.float() - ref).norm() / ref.norm())
-        out[f"fp8_vs_bf16_weights_m{m}"] = float((y.float() - x.float() @ w.float().t()).norm() / ref.norm())
-        out["fp8_uses_scaled_mm"] = bool(layer.__dict__["fp8_scaled_mm"])
+    n, k = ctx.shapes["o"]
+    for kind in ("awq", "gptq"):
+        p = make_packed(ctx, kind, n, k)
+        for m in (*[m for m in ctx.w4_ms if m <= 16], 300 if not ctx.dry_run else 20):
+            x = torch.randn(m, k, device=ctx.device).to(ctx.dtype)
+            path = "gemv" if gemv_reason(p["layout"], m, None) is None else "gemm"
+            out[f"w4_{kind}_m{m}_{path}"] = rel_err(w4_call(p, x), x.float() @ p["w_t"])
+    p8 = make_fp8(ctx, n, k)
+    for m in ctx.fp8_ms:
+        x = torch.randn(m, k, device=ctx.device).to(ctx.dtype) * torch.rand(m, 1, device=ctx.device).to(ctx.dtype)
+        q, a = quantize_per_token(x)
+        q_ref, a_ref = quantize_activations_torch(x)
+        out[f"fp8_quant_m{m}_bytes_differ"] = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
+        out[f"fp8_quant_m{m}_scales_equal"] = bool(torch.equal(a, a_ref))
+        y = fp8_call(ctx, p8, x)
+        out[f"fp8_w8a8_m{m}_vs_its_weights"] = rel_err(y, x.float() @ p8["w_deq"].t())
+        out[f"fp8_w8a8_m{m}_vs_bf16_weights"] = rel_err(y, x.float() @ p8["w"].float().t())
 
 
-def fp8_layer(n: int, k: int) -> tuple[nn.Module, torch.Tensor]:
-    """An on-the-fly FP8 layer (bf16 weights quantized per row) on the GPU, and its bf16 weight."""
-    from pagedllm.plugins.quantization.fp8_method import Fp8LinearMethod, Fp8Scheme
+def tuning(ctx: Ctx, results: dict[str, Any]) -> None:
+    """The GEMV at M = 1 over a small grid of (BLOCK_N, BLOCK_K, warps, SPLIT_K), per shape."""
+    from pagedllm.plugins.quantization.w4a16_gemv import gemv_blocks
 
-    layer = nn.Module()
-    layer.output_partition_sizes = [n]  # type: ignore[assignment]
-    method = Fp8LinearMethod(Fp8Scheme(checkpoint_fp8=False, weight_strategy="channel", activations="dynamic"))
-    with torch.device("cuda"):
-        method.create_weights(layer, k, [n], torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
-    layer.weight.data.copy_(w)
-    method.process_weights_after_loading(layer)
-    layer.quant_method = method  # type: ignore[assignment]
-    return layer, w
-
-
-def tuning(results: dict[str, Any], quick: bool) -> None:
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
-
-    grids = {
-        1: [(16, bn, bk, 4, sk) for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4, 8)],
-        2048: [(64, 64, 64, 4, 1), (128, 64, 64, 4, 1), (64, 128, 64, 4, 1), (128, 128, 64, 8, 1),
-               (128, 128, 32, 4, 1), (128, 256, 64, 8, 1)],
-    }
-    if quick:  # one K step, the splits and tile widths that matter most; no prefill sweep
-        grids = {1: [(16, bn, 128, 4, sk) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)]}
-    for m, grid in grids.items():
-        out = results.setdefault(f"tuning_m{m}", {})
-        for shape, (n, k) in SHAPES.items():
-            p = make_packed("gptq", 4, n, k, 128, False)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            call = functools.partial(w4a16_gemm, x, p["layout"], p["qweight"], p["qzeros"], p["scales"], None, n)
-            times = {}
-            for cfg in grid:
-                try:
-                    call(blocks=cfg)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # e.g. too much shared memory: that config is out
-                    times[str(cfg)] = f"{type(exc).__name__}"
-                    continue
-                times[str(cfg)] = bench(functools.partial(call, blocks=cfg))
-            ok = {c: t for c, t in times.items() if isinstance(t, float)}
-            best = min(ok, key=ok.__getitem__)
-            out[shape] = {"best": best, "best_us": ok[best], "default_us": bench(call), "all": times}
+    out = results.setdefault("tuning_gemv_m1", {})
+    tiles = [(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)]
+    block_ks = (64, 128, 256)
+    if ctx.quick or ctx.dry_run:
+        tiles, block_ks = [(256, 2)], (64, 128)
+    for shape, (n, k) in ctx.shapes.items():
+        p = make_packed(ctx, "gptq", n, k)
+        x = torch.randn(1, k, device=ctx.device).to(ctx.dtype)
+        default = gemv_blocks(p["layout"], 1, n, k)
+        times: dict[str, Any] = {}
+        for bn, warps in tiles:
+            for bk in block_ks:
+                for split in sorted({max(1, default.split_k // 2), default.split_k, default.split_k * 2}):
+                    cfg = (bn, bk, warps, split)
+                    call = functools.partial(w4_call, p, x, "gemv", cfg)
+                    try:
+                        call()
+                    except Exception as exc:  # a config the kernel refuses: out
+                        times[str(cfg)] = type(exc).__name__
+                        continue
+                    times[str(cfg)] = ctx.time_us(call)
+        ok = {c: t for c, t in times.items() if isinstance(t, float)}
+        best = min(ok, key=ok.__getitem__)
+        out[shape] = {"default": str(tuple(default)), "default_us": ctx.time_us(functools.partial(w4_call, p, x)),
+                      "best": best, "best_us": ok[best], "all": times}
 
 
-def speed(results: dict[str, Any], quick: bool) -> None:
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
+def _add(row: dict[str, float], err: dict[str, float], name: str, us: float, e: float | None = None) -> None:
+    """Sum a layer's time per variant; keep its worst relative error."""
+    row[name] = row.get(name, 0.0) + us
+    if e is not None:
+        err[name] = max(err.get(name, 0.0), e)
 
+
+def speed(ctx: Ctx, results: dict[str, Any]) -> None:
     out = results.setdefault("layer_us", {})
-    variants = [("awq4", "awq", 4, False), ("gptq4", "gptq", 4, False), ("gptq4_actorder", "gptq", 4, True),
-                ("gptq8", "gptq", 8, False), ("gptq2", "gptq", 2, False)]
-    ms = (1, 16, 2048)
-    for m in ms:
+    for m in sorted(set(ctx.w4_ms) | set(ctx.fp8_ms)):
         row: dict[str, float] = {}
-        for n, k in SHAPES.values():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            row["bf16"] = row.get("bf16", 0.0) + bench(lambda x=x, w=w: F.linear(x, w))
-            for name, kind, bits, act in variants:
-                p = make_packed(kind, bits, n, k, 128, act)
-                row[name] = row.get(name, 0.0) + bench(
-                    lambda x=x, p=p: w4a16_gemm(x, p["layout"], p["qweight"], p["qzeros"], p["scales"], p["g_idx"], p["n"]))
-                torch.cuda.synchronize()
+        err: dict[str, float] = {}
+        add = functools.partial(_add, row, err)
+        for n, k in ctx.shapes.values():
+            x = torch.randn(m, k, device=ctx.device).to(ctx.dtype)
+            w = (torch.randn(n, k, device=ctx.device) * 0.02).to(ctx.dtype)
+            add("bf16", ctx.time_us(lambda x=x, w=w: F.linear(x, w)))
             del w
-        row.update({f"speedup_{k}": row["bf16"] / v for k, v in list(row.items()) if k != "bf16"})
-        out[f"m{m}"] = row
-    for m in (2048, 8192):
-        row = {"bf16": 0.0, "fp8": 0.0}
-        for n, k in SHAPES.values():
-            layer, w = fp8_layer(n, k)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row["bf16"] += bench(lambda x=x, w=w: F.linear(x, w))
-            row["fp8"] += bench(lambda x=x, layer=layer: layer.quant_method.apply(layer, x, None))
-        row["speedup_fp8"] = row["bf16"] / row["fp8"]
-        out[f"fp8_m{m}"] = row
+            if m in ctx.w4_ms:
+                for kind in ("awq", "gptq"):
+                    p = make_packed(ctx, kind, n, k)
+                    ref = x.float() @ p["w_t"]
+                    add(f"w4_{kind}", ctx.time_us(lambda x=x, p=p: w4_call(p, x)), rel_err(w4_call(p, x), ref))
+                    if m <= 8 and kind == "gptq":  # the old path at decode sizes, for the comparison
+                        add("w4_gemm_only", ctx.time_us(lambda x=x, p=p: w4_call(p, x, "gemm")),
+                            rel_err(w4_call(p, x, "gemm"), ref))
+                    del p
+            if m in ctx.fp8_ms:
+                p8 = make_fp8(ctx, n, k)
+                ref = x.float() @ p8["w_deq"].t()
+                for quant in ("fused", "torch"):
+                    call = functools.partial(fp8_call, ctx, p8, x, quant)
+                    add(f"fp8_{quant}_quant", ctx.time_us(call), rel_err(call(), ref))
+                from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
+
+                add("fp8_quant_kernel_alone", ctx.time_us(lambda x=x: quantize_per_token(x)))
+                del p8
+        if not ctx.dry_run:
+            torch.cuda.synchronize()
+        row.update({f"speedup_{key}": row["bf16"] / v for key, v in list(row.items())
+                    if key not in ("bf16", "fp8_quant_kernel_alone")})
+        out[f"m{m}"] = {"us": row, "rel_err": err}
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    print(json.dumps(results.get("agreement", {}), indent=1))
+    for key, r in results.get("layer_us", {}).items():
+        us, err = r["us"], r["rel_err"]
+        cells = [f"bf16 {us['bf16']:.1f}"] + [
+            f"{name} {us[name]:.1f} ({us.get('speedup_' + name, 0):.2f}x, err {err[name]:.1e})"
+            for name in us if not name.startswith("speedup_") and name != "bf16" and name in err
+        ]
+        if "fp8_quant_kernel_alone" in us:
+            cells.append(f"fp8 quant kernel alone {us['fp8_quant_kernel_alone']:.1f}")
+        print(f"{key:>6} µs/layer: " + " | ".join(cells))
+    for shape, t in results.get("tuning_gemv_m1", {}).items():
+        print("tuning_gemv_m1", shape, "best", t["best"], f"{t['best_us']:.1f}us",
+              "default", t["default"], f"{t['default_us']:.1f}us")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="one GEMV tile in the tuning grid")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     args = parser.parse_args()
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.dry_run:
+        ctx = Ctx("cpu", torch.float16, SHAPES_TINY, (1, 3, 16), (1, 16), True, args.quick)
+    else:
+        ctx = Ctx("cuda", torch.bfloat16, SHAPES_8B, (1, 2, 4, 8, 16, 2048, 8192), (1, 16, 2048, 8192), False,
+                  args.quick)
     import triton
 
-    results["triton"] = triton.__version__
+    results: dict[str, Any] = {"device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
+                               "torch": torch.__version__, "triton": triton.__version__}
     for stage in (agreement, tuning, speed):
         t0 = time.time()
         try:
-            stage(results) if stage is agreement else stage(results, args.quick)  # type: ignore[call-arg]
+            stage(ctx, results)
         except Exception as exc:  # keep the other stages' numbers
             import traceback
 
@@ -204,10 +273,9 @@ def main() -> None:
         results[f"{stage.__name__}_s"] = time.time() - t0
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print(json.dumps({k: v for k, v in results.items() if not k.startswith("tuning_m")}, indent=1))
-    for key in ("tuning_m1", "tuning_m2048"):
-        for shape, t in results.get(key, {}).items():
-            print(key, shape, t["best"], f"{t['best_us']:.1f}us", f"default {t['default_us']:.1f}us")
+    print_summary(results)
+    if any(key.endswith("_error") for key in results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
