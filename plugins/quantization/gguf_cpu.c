@@ -21,6 +21,11 @@
  * block paid for the branches (~1.5x slower). Inside, `rows` is inlined with a literal type per case.
  * NOTE 5: two accumulators per activation row, so consecutive FMAs into one register do not wait on each
  * other's latency; a block's integer expansion is reused by up to TILE_M activation rows.
+ * NOTE 6: a busy machine. Rows go out in chunks from a shared counter, so whichever threads run do the work,
+ * but a parallel region still ends only when every team thread has arrived, and a thread whose core another
+ * process holds arrives a scheduler slice later (milliseconds, against ~50-200 us of work): two threads then
+ * ran SmolLM2 ~10x slower than one. So the master times its wait at the end of the region; a wait longer
+ * than STALL_NS and than its own work sends the next BACKOFF_CALLS calls to one thread, then it tries again.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +35,7 @@
 #include <immintrin.h>
 #define GGUF_SIMD 1
 #endif
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -37,6 +43,9 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
 #define QK 32
 #define TILE_M 4
+#define STALL_NS 500000L   /* NOTE 6 */
+#define BACKOFF_CALLS 1000 /* ~8 tokens of SmolLM2 (121 calls each) */
+#define CHUNKS_PER_THREAD 8
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE int block_bytes(int type) { return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 34; }
@@ -227,6 +236,23 @@ INLINE void thread_range(int64_t total, int64_t *lo, int64_t *hi) {
     *hi = total * (t + 1) / nt;
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static int backoff_left; /* calls still to run on one thread (NOTE 6); relaxed atomics */
+
+INLINE void matmul_range(int type, int64_t n0, int64_t n1, const uint8_t *w, int64_t K, const qrow *x,
+                         int64_t M, float *y, int64_t N) {
+    switch (type) { /* NOTE 4 */
+    case T_Q4_0: matmul_rows(T_Q4_0, n0, n1, w, K, x, M, y, N); break;
+    case T_Q4_1: matmul_rows(T_Q4_1, n0, n1, w, K, x, M, y, N); break;
+    default: matmul_rows(T_Q8_0, n0, n1, w, K, x, M, y, N); break;
+    }
+}
+
 /* y [M, N] = x [M, K] @ W^T, W = N rows of K/32 blocks of `type` (rows stored one after another).
  * Returns 0, -1 for a type this file does not decode or K not a multiple of 32, -3 when out of memory. */
 int gguf_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
@@ -241,16 +267,31 @@ int gguf_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x
         rows[m] = (qrow){q + m * K, f + m * 2 * (K / QK), f + m * 2 * (K / QK) + K / QK};
         quantize_row(x + m * K, K, rows[m]);
     }
-#pragma omp parallel num_threads(threads) if (threads > 1 && N * K * M >= 65536)
-    {
-        int64_t n0, n1;
-        thread_range(N, &n0, &n1);
-        switch (type) { /* NOTE 4 */
-        case T_Q4_0: matmul_rows(T_Q4_0, n0, n1, w, K, rows, M, y, N); break;
-        case T_Q4_1: matmul_rows(T_Q4_1, n0, n1, w, K, rows, M, y, N); break;
-        default: matmul_rows(T_Q8_0, n0, n1, w, K, rows, M, y, N); break;
-        }
+    if (threads > 1 && __atomic_load_n(&backoff_left, __ATOMIC_RELAXED) > 0) {
+        __atomic_fetch_sub(&backoff_left, 1, __ATOMIC_RELAXED);
+        threads = 1;
     }
+    if (threads <= 1 || N * K * M < 65536) {
+        matmul_range(type, 0, N, w, K, rows, M, y, N);
+        free(scratch);
+        return 0;
+    }
+    const int64_t chunk = (N + threads * CHUNKS_PER_THREAD - 1) / (threads * CHUNKS_PER_THREAD);
+    int64_t next = 0, start = now_ns(), master_done = start;
+#pragma omp parallel num_threads(threads)
+    {
+        for (;;) { /* NOTE 6: chunks to whoever runs */
+            int64_t c = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED) * chunk;
+            if (c >= N) break;
+            matmul_range(type, c, c + chunk < N ? c + chunk : N, w, K, rows, M, y, N);
+        }
+#ifdef _OPENMP
+        if (omp_get_thread_num() == 0) master_done = now_ns();
+#endif
+    }
+    const int64_t waited = now_ns() - master_done;
+    if (waited > STALL_NS && waited > master_done - start)
+        __atomic_store_n(&backoff_left, BACKOFF_CALLS, __ATOMIC_RELAXED);
     free(scratch);
     return 0;
 }
