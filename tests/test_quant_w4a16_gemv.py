@@ -44,7 +44,7 @@ CASES = [
 ]
 
 
-CHUNKS = 4  # case i runs in child i % CHUNKS
+CHUNKS = 6  # case i runs in child i % CHUNKS
 
 
 def _run(chunk: int) -> dict[str, Any]:

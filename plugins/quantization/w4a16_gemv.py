@@ -18,8 +18,10 @@ K (split-K) and walks it in BLOCK_K steps; each step streams BLOCK_K / pf rows o
 NOTE 1 (instructions per code): a code becomes a float with the exponent trick, not an int->float convert
 (I2F issues at a quarter of the FP32 rate): `q | 0x4B000000` read as float32 is 2^23 + q exactly, and the
 zero point is folded into the constant subtracted, `(2^23 + q) - (2^23 + z) = q - z`, exact. A code costs
-shift, and/or (LOP3), subtract and one FMA per activation row; the group scale multiplies the step's partial
-sums, not every code (BLOCK_K divides the group size, so a step lies in one group).
+shift, and/or (one LOP3), subtract and one FMA per activation row; the group scale multiplies the step's
+partial sums, not every code (BLOCK_K divides the group size, so a step lies in one group). The code mask is a
+kernel argument, not a constant: with a constant LLVM turns shift + mask into a bit-field extract, which
+ptxas expands to SHF + SGXT, and the OR then needs its own LOP3 (one instruction more per code, -11 %).
 NOTE 2 (layouts; checked by compiling for sm_90 on the CPU, see docs/perf-notes.md): every tensor is 1-D over
 the program's BLOCK_N columns, 4 adjacent columns per thread (one 16-byte load per word row), so nothing is
 reduced across threads and Triton inserts no layout conversion. The activations are read as scalars
@@ -97,6 +99,7 @@ def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr,
     N, K, K_PER_SPLIT,
     stride_xm, stride_qw, stride_qz, stride_s, stride_os, stride_om,
+    code_mask,
     GROUP_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     ZERO_OFFSET: tl.constexpr,
@@ -126,7 +129,7 @@ def _w4a16_gemv_kernel(
                             eviction_policy="evict_first")
             for j in tl.static_range(PF):
                 # NOTE 1: arithmetic shift then mask keeps the code's bits; (2^23 + q) - (2^23 + z) = q - z.
-                w = _as_biased_float((words >> (j * BITS)) & MASK) - zb
+                w = _as_biased_float((words >> (j * BITS)) & code_mask) - zb
                 p0, p1, p2, p3, p4, p5, p6, p7 = _fma_rows(
                     p0, p1, p2, p3, p4, p5, p6, p7, x_ptr + k0 + r * PF + j, stride_xm, w, ROWS
                 )
@@ -216,6 +219,7 @@ def w4a16_gemv(
         flat, qweight, qzeros, scales, out,
         n, k, k_per_split,
         flat.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), m * n, n,
+        layout.mask,
         GROUP_SIZE=layout.group_size,
         BITS=layout.bits,
         ZERO_OFFSET=layout.zero_offset,
