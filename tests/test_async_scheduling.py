@@ -107,7 +107,33 @@ def test_pipelined_abort_in_flight_frees_everything(model_dir: str) -> None:
     assert engine.kv_cache_usage == 0.0
 
 
-def test_async_scheduling_refused_with_speculation(model_dir: str) -> None:
+def test_preempted_while_in_flight_recomputes_identically(model_dir: str) -> None:
+    """Requests preempted between steps -- while the step in flight samples for them -- are not re-admitted
+    before their token lands, and finish with the tokens of an undisturbed run."""
+    prompts = _prompts(6, 5, 10, 25)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reference, _ = _run(model_dir, prompts, params, async_scheduling=False)
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=8, async_scheduling=True)
+    engine, scheduler = llm.engine, llm.engine.core.scheduler
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    finished: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in (3, 9, 14, 20) and scheduler.running:
+            victim = scheduler.running.pop()
+            scheduler.preempt(victim)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert engine.get_stats().num_preemptions == 4
+    assert [finished[str(i)] for i in range(len(prompts))] == _ids(reference)
+    assert engine.kv_cache_usage == 0.0
+
+
+def test_async_scheduling_refused_with_speculation(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDLLM_SCHEDULER__ASYNC_SCHEDULING", raising=False)
     with pytest.raises(ValueError, match="scheduler.async_scheduling.*speculative"):
         LLM(model_dir, block_size=4, async_scheduling=True, speculative_method="ngram")
     # Left to itself (None) it is off on the CPU.

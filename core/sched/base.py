@@ -39,8 +39,8 @@ class SchedulerContext:
 class SchedulerBase:
     # Async scheduling (engine_core.py NOTE 1) runs schedule() while the previous step is in flight. A policy
     # that declares it must: schedule running requests by `num_tokens_with_spec` (it counts the in-flight
-    # placeholders), skip those `ends_in_flight`, and not re-admit in the same call a request it just
-    # preempted while `num_output_placeholders` > 0 (its in-flight token is not in its prompt+outputs yet).
+    # placeholders), skip those `ends_in_flight`, and not admit a waiting (preempted) request while its
+    # `num_output_placeholders` > 0 (its in-flight token is not in its prompt+outputs yet).
     # Policies that do not declare it run with synchronous steps.
     supports_async_scheduling: ClassVar[bool] = False
 

@@ -14,7 +14,8 @@ from pagedllm.sched.base import SchedulerBase
 
 
 class FCFSScheduler(SchedulerBase):
-    # Running requests go by num_tokens_with_spec and skip ends_in_flight; a step that preempts admits nobody.
+    # Running requests go by num_tokens_with_spec and skip ends_in_flight; a waiting request with a token in
+    # flight is not admitted until it lands.
     supports_async_scheduling = True
 
     def schedule(self) -> SchedulerOutput:
@@ -52,6 +53,8 @@ class FCFSScheduler(SchedulerBase):
         #    more would just preempt again).
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted while a step in flight samples for it: its token lands with the next update
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
