@@ -53,6 +53,26 @@ class EngineCore:
         self.executor = parts.executor
         self._execute = parts.executor.execute_model if parts.executor is not None else parts.runner.execute
         self._errors: list[EngineCoreOutput] = []
+        self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
+        try:
+            self._configure(plugin_sections)
+        except BaseException:
+            # The executor's remote ranks (processes, Ray actors) are already running: a config refused here
+            # must not leave them holding their GPUs or the cluster's resources.
+            self.shutdown()
+            raise
+        # NOTE: everything built so far (model, tokenizer, plugin registries) lives as long as the engine. Move
+        # it out of the cyclic GC's generations, as vLLM does after start-up: otherwise every full collection
+        # walks it again, and the many small objects each step makes trigger those collections often
+        # (measured: 4.6 -> 1.1 ms of update_from_output per step at 256 requests, -20 % wall on a tiny model).
+        # Frozen objects are still freed by reference counting; shutdown() unfreezes so that reference cycles
+        # among the engine's objects become collectable again.
+        gc.collect()
+        gc.freeze()
+
+    def _configure(self, plugin_sections: Mapping[str, Any] | None) -> None:
+        """Plugins that act on steps (logits processors, the proposer) and the stepping mode."""
+        parts = self.parts
         models = self.pm.config_models()
         sections = plugin_sections if plugin_sections is not None else validate_plugin_sections(parts.config, models)
         self.logits_processors = self._build_logits_processors(sections, models)
@@ -65,15 +85,6 @@ class EngineCore:
             self._enable_speculation()
         self._step_hook = self.pm.hook.step_stats
         self.async_scheduling = self._use_async_scheduling()
-        self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
-        # NOTE: everything built so far (model, tokenizer, plugin registries) lives as long as the engine. Move
-        # it out of the cyclic GC's generations, as vLLM does after start-up: otherwise every full collection
-        # walks it again, and the many small objects each step makes trigger those collections often
-        # (measured: 4.6 -> 1.1 ms of update_from_output per step at 256 requests, -20 % wall on a tiny model).
-        # Frozen objects are still freed by reference counting; shutdown() unfreezes so that reference cycles
-        # among the engine's objects become collectable again.
-        gc.collect()
-        gc.freeze()
 
     def _use_async_scheduling(self) -> bool:
         config = self.parts.config
