@@ -324,9 +324,7 @@ class ModelRunner:
                 src.append(j)
         if not dst:
             return None
-        index = torch.tensor([dst, src], dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
+        index = to_device([dst, src], torch.int64, self.device)
         sampled = pending.sampled
 
         def fill(input_ids: torch.Tensor) -> None:
