@@ -33,8 +33,8 @@ from torch import nn
 GROUP = 32
 _ACT = torch.bfloat16  # NOTE 1
 # NOTE 3: from this many activation rows on (prefill chunks, large batches) NativeKernel dequantizes the whole
-# matrix (in C, ~0.3 ms for 3072 x 576) and lets MKL's float32 GEMM do the rest; below it its own kernel
-# decodes each block once per 4 rows. Crossover measured on 2 AMD EPYC cores: see docs/perf-notes.md §4.
+# matrix in C and lets MKL's float32 GEMM do the rest; below it its own kernel decodes each block once per 4
+# rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
 NATIVE_GEMM_ROWS = 16
 
 
