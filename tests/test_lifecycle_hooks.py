@@ -96,3 +96,18 @@ def test_engine_freezes_its_startup_objects_until_shutdown(tiny_root: Path) -> N
         engine.step()
     engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_dropping_the_llm_shuts_the_engine_down(tiny_root: Path) -> None:
+    """`del llm` gives the engine's frozen start-up objects back to the GC (and fires engine_stopped once):
+    otherwise reference cycles among them -- a CUDA engine's graphs and weights -- would outlive it."""
+    import gc
+
+    from pagedllm import LLM
+
+    gc.unfreeze()
+    llm = LLM(make_tiny_model("llama", tiny_root), num_threads=1)
+    engine = llm.engine
+    assert gc.get_freeze_count() > 1000
+    del llm
+    assert engine._closed and gc.get_freeze_count() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,15 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine (fires the engine_stopped hook once)."""
         self.engine.shutdown()
+
+    def __del__(self) -> None:
+        # NOTE: the engine core freezes its start-up objects out of the cyclic GC (engine_core.py); only
+        # shutdown() unfreezes them. Without this, `del llm` would keep a CUDA engine's reference cycles -- and
+        # its GPU memory -- alive for the life of the process. Shutting down twice is a no-op.
+        engine = getattr(self, "engine", None)  # absent if __init__ failed
+        if engine is not None:
+            with contextlib.suppress(Exception):  # interpreter teardown: modules may already be gone
+                engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
