@@ -198,11 +198,10 @@ class SchedulerBase:
             if req is None or req.is_finished() or not sampled:
                 continue  # aborted during the step, or a prefill chunk that is not the last
             req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
-            if req.status != RequestStatus.RUNNING:
-                # Async scheduling: preempted by a schedule() that ran while this step was in flight. The
-                # token is right (its KV was intact when it was computed): keep it; the recompute includes it.
-                self._append_while_waiting(req, sampled[0], i, runner_output, outputs)
-                continue
+            # Async scheduling: a request may have been preempted by a schedule() that ran while this step was
+            # in flight. Its token is right (its KV was intact when it was computed): keep it; the recompute
+            # includes it.
+            queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
             num_drafts = len(spec_scheduled.get(rid, ()))
             if num_drafts:
                 # Verification emitted the accepted drafts plus one token; the rejected drafts' KV slots
@@ -225,26 +224,12 @@ class SchedulerBase:
             if req.is_finished():
                 out.finish_reason = req.get_finish_reason()
                 out.stop_reason = req.stop_reason
-                self.running.remove(req)
+                queue.remove(req)
                 self._free(req)
             elif proposals and proposals[i]:
                 req.spec_token_ids = list(proposals[i])
             outputs.append(out)
         return outputs
-
-    def _append_while_waiting(
-        self, req: Request, token: int, i: int, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
-    ) -> None:
-        req.output_token_ids.append(token)
-        lp = runner_output.logprobs[i]
-        out = EngineCoreOutput(req.request_id, [token], lp[:1] if lp is not None else [],
-                               num_cached_tokens=max(req.num_cached_tokens, 0))
-        if check_stop(req, self.max_model_len):
-            out.finish_reason = req.get_finish_reason()
-            out.stop_reason = req.stop_reason
-            self.waiting.remove(req)
-            self._free(req)
-        outputs.append(out)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)

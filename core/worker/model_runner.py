@@ -383,30 +383,25 @@ class ModelRunner:
         `fill` rewrites the input ids on the device before the model reads them (NOTE 1).
         """
         more = more_groups or ()
-        if self._buffers is None:  # CPU: fresh tensors per step, exactly as before the GPU path existed
-            inputs = prepare_inputs(
-                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
-            )
-            if fill is not None:
-                fill(inputs.input_ids)
-        else:
+        inputs: StepInputs | None = None
+        if self._buffers is not None:
             host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more)
             replay = self._graphs.run(host, fill) if self._graphs is not None else None
             if replay is not None:
                 return replay
             if self._buffers.fits(host):
                 inputs = self._buffers.load(host, fill=fill)
-            else:
+            elif not self._warned_overflow:
                 # Larger than the buffers were sized for (options smaller than the scheduler's limits):
                 # still correct, just with per-step allocations. Say so once.
-                if not self._warned_overflow:
-                    self._warned_overflow = True
-                    logger.warning("step larger than the runner's buffers %s; using fresh tensors", self.options)
-                inputs = prepare_inputs(
-                    token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
-                )
-                if fill is not None:
-                    fill(inputs.input_ids)
+                self._warned_overflow = True
+                logger.warning("step larger than the runner's buffers %s; using fresh tensors", self.options)
+        if inputs is None:  # the CPU (fresh tensors per step, as before the GPU path existed) or an oversized step
+            inputs = prepare_inputs(
+                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
+            )
+            if fill is not None:
+                fill(inputs.input_ids)
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
 

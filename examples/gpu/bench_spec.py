@@ -33,6 +33,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -40,14 +41,9 @@ from typing import Any
 
 import torch
 
-LLAMA_8B_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "hidden_act": "silu", "vocab_size": 128256, "max_position_embeddings": 8192,
-    "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
-    "initializer_range": 0.02, "use_cache": True,
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from h200_check import LLAMA_8B_CONFIG  # noqa: E402
+
 TINY_CONFIG = {**LLAMA_8B_CONFIG, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
                "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
