@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--vllm", help="bench_vllm.py's JSON from the same hour, for the side-by-side table")
     ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
     ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--quantization", default=None, help="quantization.method, e.g. fp8 (on-the-fly W8A8)")
     args = ap.parse_args()
     wanted = args.workloads.split(",")
 
@@ -136,7 +137,7 @@ def main() -> int:
         json.dump(LLAMA_8B_CONFIG, f)
     result: dict[str, Any] = {"engine": "pagedllm", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "backend": args.backend, "workloads": {}}
+                              "backend": args.backend, "quantization": args.quantization, "workloads": {}}
     result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
 
     from pagedllm import LLM, SamplingParams
@@ -148,6 +149,7 @@ def main() -> int:
         "kv_cache": {"gpu_memory_utilization": 0.9},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]},
+        "quantization": {"method": args.quantization},
     })
     t0 = time.perf_counter()
     llm = LLM(config=cfg)

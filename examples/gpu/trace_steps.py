@@ -1,0 +1,137 @@
+"""Where W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
+
+    python examples/gpu/trace_steps.py [--workloads W4,W5] [--scale 1.0] [--max-num-seqs 512]
+
+Per engine step it records the host clock at the step's start, the step's shape (tokens, requests, decodes),
+whether the forward replayed a CUDA graph, and two CUDA events around the runner's work (forward + sampler)
+that are read only at the end (no extra syncs). Steps are grouped by kind -- decode replayed, decode eager,
+mixed <= 512 tokens, mixed > 512 tokens -- and each group prints: steps, tokens, host wall time (start to
+next start), GPU span (start event to end event: device busy or waiting for launches) and the device idle
+time before the step (previous end event to this start event: the host was late).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_suite import w4_prompts, w5_prompts  # noqa: E402
+from h200_check import LLAMA_8B_CONFIG  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workloads", default="W4,W5")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
+    args = ap.parse_args()
+    os.makedirs(args.model_dir, exist_ok=True)
+    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
+        json.dump(LLAMA_8B_CONFIG, f)
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.config import EngineConfig
+
+    cfg = EngineConfig.from_dict({
+        "model": args.model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
+        "attention": {"backend": "triton"}, "loader": {"name": "dummy"},
+        "kv_cache": {"gpu_memory_utilization": 0.9},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+    })
+    llm = LLM(config=cfg)
+    core = llm.engine.core
+    runner = core.runner if hasattr(core, "runner") else core.executor.runner
+    records: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+
+    sched = core.scheduler
+    orig_schedule = sched.schedule
+
+    def schedule() -> Any:
+        so = orig_schedule()
+        n = so.num_scheduled_tokens
+        current.update(t=time.perf_counter(), tokens=so.total_num_scheduled_tokens, reqs=len(n),
+                       decodes=sum(1 for v in n.values() if v == 1), graphed=False)
+        return so
+
+    sched.schedule = schedule
+    graphs = runner._graphs
+    if graphs is not None:
+        orig_run = graphs.run
+
+        def run(host: Any, fill: Any = None) -> Any:
+            out = orig_run(host, fill)
+            current["graphed"] = out is not None
+            return out
+
+        graphs.run = run
+    orig_exec = runner.execute_pipelined if core.async_scheduling else runner.execute
+    name = "execute_pipelined" if core.async_scheduling else "execute"
+
+    def execute(so: Any) -> Any:
+        if so.total_num_scheduled_tokens == 0:
+            return orig_exec(so)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = orig_exec(so)
+        end.record()
+        records.append(dict(current, start=start, end=end))
+        return out
+
+    setattr(runner, name, execute)
+
+    def summarize(label: str, recs: list[dict[str, Any]], wall: float) -> None:
+        torch.cuda.synchronize()
+        groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for i, r in enumerate(recs):
+            if r["decodes"] == r["reqs"]:
+                kind = "decode graphed" if r["graphed"] else "decode eager"
+            else:
+                kind = "mixed <=512" if r["tokens"] <= 512 else ("mixed <=2048" if r["tokens"] <= 2048
+                                                                else "mixed >2048")
+            g = groups[kind]
+            g["steps"] += 1
+            g["tokens"] += r["tokens"]
+            g["reqs"] += r["reqs"]
+            if i + 1 < len(recs):
+                g["host_ms"] += (recs[i + 1]["t"] - r["t"]) * 1e3
+                g["gpu_ms"] += r["start"].elapsed_time(r["end"])
+                g["idle_after_ms"] += r["end"].elapsed_time(recs[i + 1]["start"])
+        print(f"== {label}: {len(recs)} steps, wall {wall:.2f} s")
+        print(f"{'kind':16s} {'steps':>6s} {'tok/step':>9s} {'req/step':>9s} {'host ms':>9s} {'gpu span':>9s} "
+              f"{'idle after':>10s} {'host/step':>9s} {'gpu/step':>9s}")
+        for kind, g in sorted(groups.items()):
+            s = g["steps"]
+            print(f"{kind:16s} {int(s):6d} {g['tokens'] / s:9.1f} {g['reqs'] / s:9.1f} {g['host_ms']:9.0f} "
+                  f"{g['gpu_ms']:9.0f} {g['idle_after_ms']:10.0f} {g['host_ms'] / s:9.2f} {g['gpu_ms'] / s:9.2f}")
+
+    warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16, detokenize=False)
+    llm.generate([{"prompt_token_ids": list(range(1000, 1256))}] * 4, warm, use_tqdm=False)
+    for wl in args.workloads.split(","):
+        if wl == "W4":
+            prompts = w4_prompts(max(1, int(1000 * args.scale)))
+            outs = [128] * len(prompts)
+        else:
+            prompts, outs = w5_prompts(max(1, int(1000 * args.scale)))
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in outs]
+        records.clear()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        summarize(wl, list(records), wall)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
