@@ -1,6 +1,6 @@
 """One-process GPU check of every attention backend against the torch backend (issue 8; H200, < 10 minutes).
 
-    python examples/gpu/attn_backends_check.py --out $OUT/attn.json [--quick]
+    python examples/gpu/attn_backends_check.py --out $OUT/attn.json [--quick] [--stages a,b,c,x] [--model M.gguf]
     TRITON_INTERPRET=1 python examples/gpu/attn_backends_check.py --dry-run   # CPU, tiny, torch + triton only
 
 Each backend (triton, flashinfer, flash_attn) is run when its registration's checks pass here; otherwise its
@@ -14,7 +14,9 @@ reasons are recorded. Stages, each written to the JSON as soon as it ends:
      median of 20: decode 64 x 2048 (TB/s of K/V read) and prefill 8 x 2048 causal (TFLOP/s), against the
      standalone anchors (../shared/anchors/gpu-backends/README.md): FlashInfer TC decode 4.0 TB/s,
      FlashInfer (fa3) prefill 475 TFLOP/s, FlashAttention-4 prefill ~400 TFLOP/s
-  c  engine greedy tokens per backend == torch backend's, a ~100M Llama with random bf16 weights
+  c  engine greedy tokens per backend and KV dtype == the torch backend's: on real weights with --model (the
+     SmolLM2 GGUF: fp16 and bf16, four chat prompts x 64 tokens), else a ~100M Llama with random bf16 weights
+     (nearly tied logits: only the first divergence index means anything)
   d  FP8 KV: blocks at the same memory budget (auto vs fp8) and a 64-request throughput run both ways
 """
 
@@ -223,51 +225,86 @@ SMALL_LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=768, intermed
                    tie_word_embeddings=False)
 
 
-def stage_engine(root: str, quick: bool) -> None:
-    import transformers
+def first_diff(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (len when equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
+
+def stage_engine(root: str, quick: bool, model: str | None) -> None:
+    """Greedy tokens through the whole engine per backend and KV dtype, against the torch backend's.
+
+    With `model` (a real-weight checkpoint, e.g. the SmolLM2 GGUF dequantized at load) the prompts are four
+    chat questions and both float16 and bfloat16 run; without it a random ~100M Llama (bf16) whose logits are
+    nearly tied, so only the first divergence index is informative. Each row: tokens equal to the torch
+    backend's (same dtype, same KV dtype), else the first differing index per prompt.
+    """
     from pagedllm import LLM, SamplingParams
 
-    cfg = dict(SMALL_LLAMA)
-    if DRY:
-        cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=512)
-    path = os.path.join(root, "small_llama")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
-    hf.to(DTYPE).save_pretrained(path)
-    del hf
-    g = torch.Generator().manual_seed(1)
-    lens = (7, 40, 100) if DRY else (7, 100, 333, 1000)
-    prompts = [{"prompt_token_ids": torch.randint(10, cfg["vocab_size"] - 10, (n,), generator=g).tolist()}
-               for n in lens]
-    params = SamplingParams(max_tokens=8 if DRY else 48, temperature=0.0, ignore_eos=True, detokenize=False)
-    dtype = str(DTYPE).removeprefix("torch.")
-    tokens, blocks = {}, {}
-    for name in backends(context()):
-        for kv in ("auto", "fp8"):
-            try:
-                llm = LLM(path, device=DEVICE, dtype=dtype, attention={"backend": name}, kv_cache_dtype=kv,
-                          max_num_seqs=8, max_num_batched_tokens=64 if DRY else 512, block_size=PAGE,
-                          **({"kv_cache_memory_gb": 0.01} if DRY else {}))
-                blocks[f"{name}_{kv}"] = llm.engine.parts.num_blocks
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                tokens[f"{name}_{kv}"] = [list(o.outputs[0].token_ids) for o in outs]
-                if kv == "fp8" and not quick and not DRY:
-                    p64 = [{"prompt_token_ids": torch.randint(10, 30000, (128,), generator=g).tolist()}
-                           for _ in range(64)]
-                    t = time.perf_counter()
-                    llm.generate(p64, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True,
-                                                     detokenize=False), use_tqdm=False)
-                    blocks[f"{name}_fp8_64x128_s"] = round(time.perf_counter() - t, 2)
-                llm.shutdown()
-                del llm
-                gc.collect()
-            except Exception as exc:
-                tokens[f"{name}_{kv}"] = f"{type(exc).__name__}: {exc}"[:300]
-    ref = {kv: tokens.get(f"torch_{kv}") for kv in ("auto", "fp8")}
-    put("c_greedy_vs_torch", {k: (v == ref[k.rsplit("_", 1)[1]]) if isinstance(v, list) else v
-                              for k, v in tokens.items()})
+    if model is None:
+        import transformers
+
+        cfg = dict(SMALL_LLAMA)
+        if DRY:
+            cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=512)
+        model = os.path.join(root, "small_llama")
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+        hf.to(DTYPE).save_pretrained(model)
+        del hf
+        g = torch.Generator().manual_seed(1)
+        lens = (7, 40, 100) if DRY else (7, 100, 333, 1000)
+        prompts: list[Any] = [{"prompt_token_ids": torch.randint(10, cfg["vocab_size"] - 10, (n,),
+                                                                 generator=g).tolist()} for n in lens]
+        dtypes = [str(DTYPE).removeprefix("torch.")]
+        extra: dict[str, Any] = {}
+    else:
+        questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                     "Explain what a KV cache is in two sentences.", "List five prime numbers."]
+        prompts = [[{"role": "user", "content": q}] for q in questions]
+        dtypes = ["float16", "bfloat16"]
+        extra = {"quantization": "none"}
+    n_tok = 8 if DRY else 64
+    params = SamplingParams(max_tokens=n_tok, temperature=0.0, ignore_eos=True, detokenize=False)
+    tokens: dict[str, Any] = {}
+    blocks: dict[str, Any] = {}
+    for dtype in dtypes:
+        for name in backends(context()):
+            for kv in ("auto", "fp8"):
+                key = f"{name}_{dtype}_{kv}"
+                try:
+                    llm = LLM(model, device=DEVICE, dtype=dtype, attention={"backend": name}, kv_cache_dtype=kv,
+                              max_num_seqs=8, max_num_batched_tokens=64 if DRY else 512, block_size=PAGE,
+                              **({"kv_cache_memory_gb": 0.01} if DRY else {}), **extra)
+                    blocks[key] = llm.engine.parts.num_blocks
+                    outs = (llm.chat(prompts, params, use_tqdm=False) if isinstance(prompts[0], list)
+                            else llm.generate(prompts, params, use_tqdm=False))
+                    tokens[key] = [list(o.outputs[0].token_ids) for o in outs]
+                    if not quick and not DRY and dtype == dtypes[0]:
+                        p64 = [{"prompt_token_ids": torch.randint(10, 30000, (128,)).tolist()} for _ in range(64)]
+                        t = time.perf_counter()
+                        llm.generate(p64, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True,
+                                                         detokenize=False), use_tqdm=False)
+                        blocks[f"{key}_64x128_s"] = round(time.perf_counter() - t, 2)
+                    llm.shutdown()
+                    del llm
+                    gc.collect()
+                except Exception as exc:
+                    tokens[key] = f"{type(exc).__name__}: {exc}"[:300]
+    rows: dict[str, Any] = {}
+    for key, val in tokens.items():
+        name, dtype, kv = key.split("_", 2) if not key.startswith("flash_attn") else (
+            "flash_attn", *key.removeprefix("flash_attn_").split("_", 1))
+        ref = tokens.get(f"torch_{dtype}_{kv}")
+        if not isinstance(val, list) or not isinstance(ref, list):
+            rows[key] = val if not isinstance(val, list) else "no torch reference"
+            continue
+        rows[key] = True if val == ref else [first_diff(a, b) for a, b in zip(val, ref)]
+        auto = tokens.get(f"{name}_{dtype}_auto")
+        if kv == "fp8" and isinstance(auto, list):
+            rows[f"{key}_vs_{name}_auto"] = True if val == auto else [first_diff(a, b) for a, b in zip(val, auto)]
+    put("c_greedy_vs_torch", {"model": "random" if not extra else model, "tokens": n_tok, "rows": rows})
     put("d_fp8_capacity", blocks)
 
 
@@ -278,27 +315,33 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--stages", default="a,b,c,x", help="a outputs, b speed, c engine, x window/soft-cap/fp8")
+    ap.add_argument("--model", help="real-weight checkpoint for stage c (e.g. the SmolLM2 GGUF)")
     args = ap.parse_args()
+    stages = args.stages.split(",")
     OUT = args.out
     gen = torch.Generator().manual_seed(0)
     put("env", {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
                 "torch": torch.__version__, "cc": torch.cuda.get_device_capability() if DEVICE == "cuda" else None,
                 "backends": {k: v if isinstance(v, str) else "usable" for k, v in backends(context()).items()}})
     for key, fn in (("a", lambda: stage_outputs(gen, extra=False)), ("b", lambda: stage_speed(gen, args.quick))):
+        if key not in stages:
+            continue
         try:
             fn()
         except Exception as exc:
             fail(f"{key}_error", exc)
-    if not args.skip_engine:
+    if not args.skip_engine and "c" in stages:
         with tempfile.TemporaryDirectory() as root:
             try:
-                stage_engine(root, args.quick)
+                stage_engine(root, args.quick, args.model)
             except Exception as exc:
                 fail("c_error", exc)
-    try:
-        stage_outputs(gen, extra=True)
-    except Exception as exc:
-        fail("a_extra_error", exc)
+    if "x" in stages:
+        try:
+            stage_outputs(gen, extra=True)
+        except Exception as exc:
+            fail("a_extra_error", exc)
 
 
 if __name__ == "__main__":
