@@ -29,6 +29,8 @@ from test_gguf_loader import TINY, _add_tiny_tokenizer, llamacpp_permute, tiny_h
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.layers.cpu_ops import cpu_ops
+from pagedllm.layers.fused_ops import FusedOp
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.plugins.quantization import gguf_native
@@ -179,6 +181,11 @@ def uses_gguf(engine: LLMEngine) -> bool:
     return any(hasattr(m, "gguf_kernels") for m in engine.core.parts.model.modules())
 
 
+def uses_cpu_ops(engine: LLMEngine) -> bool:
+    """Whether the engine switched the fused C ops (pagedllm.layers.cpu_ops) on for its model's layers."""
+    return any(isinstance(m, FusedOp) and m.cpu_ops is not None for m in engine.core.parts.model.modules())
+
+
 def write_uniform_gguf(path: Path, arch: str, qtype: Q) -> None:
     """A tiny random model with every matrix in `qtype` (vectors F32), as llama.cpp's converter lays it out."""
     writer = gguf.GGUFWriter(str(path), arch)
@@ -227,6 +234,8 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
         EngineConfig(model=str(path), quantization={"method": "none"}), plugin_manager=plugin_manager()
     )
     assert uses_gguf(kept) and not uses_gguf(dense)
+    # The C norm/rotary/activation/attention ride along with gguf_cpu.c; the dense path stays torch's.
+    assert uses_cpu_ops(kept) == (cpu_kernel != "aten" and cpu_ops() is not None) and not uses_cpu_ops(dense)
     assert_same_greedy_up_to_near_tie(greedy_output(kept, prompt, 16), greedy_output(dense, prompt, 16))
 
 
@@ -238,7 +247,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def test_smollm2_kept_quantized(default_gguf: str) -> None:
     kept = LLMEngine(EngineConfig(model=default_gguf, quantization={"method": "gguf"}), plugin_manager=plugin_manager())
-    assert uses_gguf(kept)
+    assert uses_gguf(kept) and uses_cpu_ops(kept) == (cpu_ops() is not None)
     tok = kept.tokenizer
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in two sentences."}],

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.fused_ops import FusedOp, use_fused
+from pagedllm.layers.fused_ops import FusedOp, cpu_ops_of, use_fused
 
 
 class SiluAndMul(FusedOp, nn.Module):
@@ -16,6 +16,9 @@ class SiluAndMul(FusedOp, nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops_of(self)  # fused_ops.py NOTE 3
+        if ops is not None and x.dtype == torch.float32:
+            return ops.silu_and_mul(x)
         if use_fused(self, x):
             from pagedllm.layers.triton_ops import act_and_mul
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.fused_ops import FusedOp, use_fused
+from pagedllm.layers.fused_ops import FusedOp, cpu_ops_of, use_fused
 
 
 class RMSNorm(FusedOp, nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, normalised in float32 and cast back (as transformers does).
 
     On CUDA one Triton kernel does the residual add, the norm and the weight (core/layers/triton_ops.py);
-    the torch code below is the CPU path and the reference.
+    on the CPU, for models that switched them on, one C call (cpu_ops.c); the torch code below is the
+    reference.
     """
 
     # Gemma scales by (1 + weight) in float32; set by GemmaRMSNorm.
@@ -37,6 +38,10 @@ class RMSNorm(FusedOp, nn.Module):
         The fused form lets a decoder layer carry the un-normalised stream as `residual` without a separate
         add kernel; the first layer passes residual=None via `forward(x)` and keeps x as its residual.
         """
+        ops = cpu_ops_of(self)  # fused_ops.py NOTE 3: C kernels on float32 CPU tensors, for this model only
+        if ops is not None and x.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32):
+            out, new_residual = ops.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+            return out if new_residual is None else (out, new_residual)
         # The kernel keeps one dtype end to end; a mixed call (an fp32 residual stream) takes the torch path.
         same_dtype = self.weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
         if same_dtype and use_fused(self, x):

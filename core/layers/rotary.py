@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.fused_ops import FusedOp, use_fused
+from pagedllm.layers.fused_ops import FusedOp, cpu_ops_of, use_fused
 
 
 class RotaryEmbedding(FusedOp, nn.Module):
@@ -56,10 +56,24 @@ class RotaryEmbedding(FusedOp, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, nh * hs] and key [T, nkv * hs] (or [T, heads, hs]); returns them rotated.
 
-        Use the returned tensors: the torch path returns rotated copies, the fused path rotates query and
-        key in place (they are views into the step's qkv output) and returns them.
+        Use the returned tensors: the torch path returns rotated copies, the fused paths (Triton, and the
+        CPU's C kernel) rotate query and key in place (they are views into the step's qkv output) and return
+        them.
         Positions must be < max_position (no bounds check here: it would cost a device sync per layer).
         """
+        ops = cpu_ops_of(self)  # fused_ops.py NOTE 3; bit-identical to the torch code (cpu_ops.c NOTE 1)
+        if (
+            ops is not None
+            and self.is_neox_style
+            and positions.dtype == torch.int64
+            and query.dtype == torch.float32
+            and query.dim() == 2
+            and key.dim() == 2
+            and query.stride(-1) == 1
+            and key.stride(-1) == 1
+        ):
+            ops.rotary_neox(positions, query, key, self.cos_cache, self.sin_cache, self.head_size)
+            return query, key
         if use_fused(self, query) and query.stride(-1) == 1 and key.stride(-1) == 1:
             from pagedllm.layers.triton_ops import rotary_embedding
 

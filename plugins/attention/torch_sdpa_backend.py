@@ -26,7 +26,7 @@ torch has no CPU index_copy_/index_select for float8, so the cache is moved thro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ class TorchSDPAMetadata:
     decode_common_len: int | None = None  # every decode's seq_len when they are all equal (e.g. just one)
     decode_first_block: int | None = None  # one decode whose blocks are consecutive ids: the first of them
     prefills: list[PrefillSegment] = field(default_factory=list)
+    c_decode: bool | None = None  # whether the C decode kernel takes this step (TorchSDPAImpl._c_decode)
 
 
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -110,6 +111,9 @@ class TorchSDPAImpl:
         self.group = layer.num_heads // layer.num_kv_heads
         self.k_scale = 1.0  # fp8 KV cache only: stored = x / scale (see the module docstring)
         self.v_scale = 1.0
+        # A pagedllm.layers.cpu_ops.CpuOps when the engine switched the CPU's C kernels on for this model
+        # (layers/fused_ops.py NOTE 3): decode-only float32 steps then write and attend in one C call.
+        self.cpu_ops: Any = None
 
     def forward(
         self,
@@ -122,6 +126,13 @@ class TorchSDPAImpl:
         """Write key/value at metadata's slots, then attend causally over each request's whole context."""
         common = metadata.common
         num_tokens = common.num_actual_tokens
+        if self.cpu_ops is not None and (
+            metadata.c_decode if metadata.c_decode is not None else self._c_decode(query, key, value, kv_cache, metadata)
+        ):
+            return cast(torch.Tensor, self.cpu_ops.decode_attention(
+                query, key, value, kv_cache, common.slot_mapping, common.block_table, common.seq_lens,
+                self.scale, self.sliding_window, self.soft_cap,
+            ))
         # Flat views share storage with kv_cache, so index_copy_ writes the paged cache in place.
         k_flat = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         v_flat = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
@@ -140,6 +151,30 @@ class TorchSDPAImpl:
             rows = slice(seg.query_start, seg.query_end)
             out[rows] = self._prefill(query[rows], kv_cache, seg).to(out.dtype)
         return out
+
+    def _c_decode(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        md: TorchSDPAMetadata,
+    ) -> bool:
+        """Whether cpu_decode_attention takes this step: decodes only, no padding rows, float32 throughout, and
+        the layouts the C code reads (rows of whole heads; int32 tables, int64 slots). Asked by the step's
+        first layer; the rest read the answer from the metadata (every layer of a group has the same layout)."""
+        common = md.common
+        hs = self.head_size
+        md.c_decode = (
+            md.num_decodes == query.shape[0] == common.num_actual_tokens
+            and not md.prefills
+            and kv_cache.dtype == query.dtype == key.dtype == value.dtype == torch.float32
+            and kv_cache.is_contiguous()
+            and query.stride(2) == key.stride(2) == value.stride(2) == 1
+            and query.stride(1) == key.stride(1) == value.stride(1) == hs
+            and common.block_table.dtype == common.seq_lens.dtype == torch.int32
+            and common.block_table.stride(1) == 1
+            and common.seq_lens.stride(0) == 1
+            and common.slot_mapping.dtype == torch.int64
+            and common.slot_mapping.stride(0) == 1
+        )
+        return md.c_decode
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
         assert md.decode_blocks is not None and md.decode_valid is not None

@@ -96,6 +96,10 @@ class GGUFConfig:
         self.embedding = embedding
         self.cache_dequantized = cache_dequantized
         self.cpu_kernel = cpu_kernel
+        # The engine may run this model's norms, rotary, activation and decode attention as C kernels on the
+        # CPU (pagedllm.layers.cpu_ops): kept-quantized outputs are compared with the dequantized model's
+        # greedy tokens, not bit for bit. Not with the aten kernels, the path before gguf_cpu.c (for A/B runs).
+        self.cpu_fused_ops = cpu_kernel != "aten"
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None = None) -> GGUFConfig:

@@ -3,11 +3,8 @@
     native_library()  -> NativeLibrary, or None with `unavailable_reason()` saying why (no C compiler, a
                          failed build, PAGEDLLM_GGUF_NATIVE=0); callers then use the aten kernels.
 
-The shared object is built with the system C compiler (`$CC`, else `cc`/`gcc`) on first use, into
-``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``) under a name hashed from the source, the flags, the
-compiler's version and this CPU's flags, so an edit, another compiler or another machine sharing the home
-folder gets its own build. The build goes to a temporary name and is renamed into place, so processes
-starting together (tensor-parallel ranks, test workers) never load a half-written file.
+The shared object is built with the system C compiler (`$CC`, else `cc`/`gcc`) on first use and cached per
+source, flags, compiler and CPU (pagedllm.layers.native_build).
 
 NOTE 1: ``-march=native`` because the file is built where it runs; without AVX2/FMA/F16C the C source falls
 back to scalar loops (correct, slow). ``-ffp-contract=off`` keeps the decoded weights bit-identical to
@@ -20,16 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from pagedllm.layers.native_build import build_shared, compiler
 
 logger = logging.getLogger("pagedllm")
 
@@ -71,50 +65,6 @@ class NativeLibrary:
             raise ValueError(f"gguf_dequantize_rows: type {ggml_type} with {k} inputs is not supported (rc {rc})")
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
-    return Path(root) / "native"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(), platform.machine()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"gguf_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
-        if done.returncode:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, either is fine
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 @functools.cache
 def native_library() -> NativeLibrary | None:
     """The compiled kernels, or None (then `unavailable_reason()` says why). Built and loaded once."""
@@ -122,12 +72,12 @@ def native_library() -> NativeLibrary | None:
     if os.environ.get(_DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
         _reason = f"{_DISABLE_ENV}={os.environ[_DISABLE_ENV]}"
         return None
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         _reason = "no C compiler found ($CC, cc, gcc, clang)"
         return None
     try:
-        return NativeLibrary(ctypes.CDLL(str(_build(cc))))
+        return NativeLibrary(ctypes.CDLL(str(build_shared(SOURCE, FLAGS, cc))))
     except (OSError, RuntimeError) as e:
         _reason = f"building {SOURCE.name} failed: {e}"
         logger.warning("gguf: native CPU kernels unavailable (%s); using aten's kernels", _reason)

@@ -1,0 +1,144 @@
+"""The fused CPU ops of cpu_ops.c, loaded with ctypes: add+RMSNorm, neox rotary, SiLU-and-mul, decode attention.
+
+    cpu_ops()            -> CpuOps, or None with `unavailable_reason()` saying why (no C compiler, a failed
+                            build, PAGEDLLM_CPU_OPS=0); the layers then run their torch code
+    CpuOps.add_rms_norm / rotary_neox / silu_and_mul / decode_attention: float32 CPU tensors only
+
+Which models use them is decided once, by the engine builder (fused_ops.py `set_cpu_ops`): they are not
+bit-identical to torch (cpu_ops.c NOTE 1), so only where no bit-exact float reference is promised.
+
+NOTE 1: every wrapper is on the per-token path (~8 calls per layer): arguments go to ctypes as plain ints
+from `data_ptr()`, argtypes are set once, and shape checks are left to the callers that know their layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pagedllm.layers.native_build import build_shared, compiler
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+_DISABLE_ENV = "PAGEDLLM_CPU_OPS"
+_reason: str | None = None
+
+
+class CpuOps:
+    """Typed wrappers around cpu_ops.c (NOTE 1)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._norm = lib.cpu_add_rms_norm
+        self._norm.argtypes = [p, p, p, f32, c_int, i64, i64, p, p]
+        self._norm.restype = None
+        self._rotary = lib.cpu_rotary_neox
+        self._rotary.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, i64]
+        self._rotary.restype = None
+        self._silu = lib.cpu_silu_and_mul
+        self._silu.argtypes = [p, i64, i64, p]
+        self._silu.restype = None
+        self._attn = lib.cpu_decode_attention
+        self._attn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
+                               f32, p]
+        self._attn.restype = c_int
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x + residual) * w, x + residual); residual None: (norm(x) * w, None). [..., H] float32."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        h = x.shape[-1]
+        if residual is None:
+            self._norm(x.data_ptr(), None, weight.data_ptr(), eps, gemma, x.numel() // h, h, out.data_ptr(), None)
+            return out, None
+        residual = residual.contiguous()
+        new_residual = torch.empty_like(x)
+        self._norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, gemma, x.numel() // h, h,
+                   out.data_ptr(), new_residual.data_ptr())
+        return out, new_residual
+
+    def rotary_neox(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_size: int,
+    ) -> None:
+        """Rotate query [T, nq * hs] and key [T, nk * hs] in place (rows may be strided, each row contiguous);
+        cos / sin [max_position, rotary_dim / 2] float32, positions [T] int64 (contiguous)."""
+        t = query.shape[0]
+        self._rotary(query.data_ptr(), query.stride(0), query.shape[-1] // head_size, key.data_ptr(),
+                     key.stride(0), key.shape[-1] // head_size, head_size, t, positions.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2d] -> [T, d]: silu(gate) * up."""
+        x = x.contiguous()
+        d = x.shape[-1] // 2
+        out = torch.empty(*x.shape[:-1], d)
+        self._silu(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+        return out
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:
+        """Write key/value [D, nkv, hs] at slots, then attend query [D, nh, hs] over each request's blocks.
+
+        kv_cache [2, num_blocks, block_size, nkv, hs] contiguous float32; slots [D] int64, block_table
+        [D, *] int32 and seq_lens [D] int32, contiguous rows. Returns [D, nh, hs].
+        """
+        d, nh, hs = query.shape
+        _, num_blocks, block_size, nkv, _ = kv_cache.shape
+        out = torch.empty(d, nh, hs)
+        rc = self._attn(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+                        value.stride(0), kv_cache.data_ptr(), num_blocks, block_size, nkv, hs, nh,
+                        slots.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), d,
+                        scale, window or 0, soft_cap or 0.0, out.data_ptr())
+        if rc:
+            raise MemoryError("cpu_decode_attention: out of memory")
+        return out
+
+
+@functools.cache
+def cpu_ops() -> CpuOps | None:
+    """The compiled ops, or None (then `unavailable_reason()` says why). Built and loaded once."""
+    global _reason
+    if os.environ.get(_DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
+        _reason = f"{_DISABLE_ENV}={os.environ[_DISABLE_ENV]}"
+        return None
+    cc = compiler()
+    if cc is None:
+        _reason = "no C compiler found ($CC, cc, gcc, clang)"
+        return None
+    try:
+        return CpuOps(ctypes.CDLL(str(build_shared(SOURCE, FLAGS, cc))))
+    except (OSError, RuntimeError) as e:
+        _reason = f"building {SOURCE.name} failed: {e}"
+        logger.warning("fused CPU ops unavailable (%s); using torch's", _reason)
+        return None
+
+
+def unavailable_reason() -> str | None:
+    """Why `cpu_ops()` returned None (None if it has not, or has not been asked yet)."""
+    return _reason

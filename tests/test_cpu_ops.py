@@ -1,0 +1,170 @@
+"""The fused CPU ops (core/layers/cpu_ops.c) against the layers' own torch code, the reference.
+
+Each layer is run twice on the same input, once with `cpu_ops` handed to it (as the engine builder does for
+a kept-quantized model) and once without. Rotary is bit-identical (cpu_ops.c NOTE 1); the norm, SiLU and
+attention sum in another order or use libm's expf, so they are compared within float32 rounding. The
+engine switch: a kept-quantized GGUF model gets the ops, the dense (default) CPU path never does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm.layers import cpu_ops as cpu_ops_module
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.cpu_ops import cpu_ops
+from pagedllm.layers.fused_ops import set_cpu_ops
+from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.worker.input_prep import prepare_inputs
+
+
+@pytest.fixture(scope="module")
+def ops() -> Any:
+    lib = cpu_ops()
+    if lib is None:
+        pytest.skip(f"cpu_ops.c unavailable: {cpu_ops_module.unavailable_reason()}")
+    return lib
+
+
+def _pair(module: Any, ops: Any) -> tuple[Any, Any]:
+    """`module` with the C ops, and the same module object's torch path (a function switching it)."""
+
+    def torch_path(*args: Any) -> Any:
+        module.cpu_ops = None
+        try:
+            return module(*args)
+        finally:
+            module.cpu_ops = ops
+
+    module.cpu_ops = ops
+    return module, torch_path
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 4, 64), (2, 20)])
+def test_add_rms_norm(ops: Any, norm_cls: type[RMSNorm], shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    norm = norm_cls(shape[-1], eps=1e-5)
+    norm.weight.data = torch.randn(shape[-1], generator=gen)
+    fused, reference = _pair(norm, ops)
+    x, res = torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen)
+    torch.testing.assert_close(fused(x), reference(x), rtol=2e-6, atol=1e-6)
+    out, new_res = fused(x, res)
+    ref_out, ref_res = reference(x, res)
+    assert torch.equal(new_res, ref_res)  # the residual add is one float add either way
+    torch.testing.assert_close(out, ref_out, rtol=2e-6, atol=1e-6)
+    strided = torch.randn(shape[0], 2 * shape[-1], generator=gen)[:, : shape[-1]] if len(shape) == 2 else x
+    torch.testing.assert_close(fused(strided), reference(strided), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_bit_identical(ops: Any, rotary_dim: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(64, rotary_dim, 256, 10000.0)
+    fused, reference = _pair(rope, ops)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=gen)
+    positions = torch.tensor([0, 7, 100, 255, 3])
+    ref_q, ref_k = reference(positions, *qkv.clone().split([9 * 64, 3 * 64, 3 * 64], dim=-1)[:2])
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views into one qkv row, as in a model
+    v_before = v.clone()
+    got_q, got_k = fused(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+    assert torch.equal(v, v_before)
+
+
+def test_gptj_rotary_keeps_torch_path(ops: Any) -> None:
+    rope = RotaryEmbedding(16, 16, 32, 10000.0, is_neox_style=False)
+    fused, reference = _pair(rope, ops)
+    q, k = torch.randn(3, 32), torch.randn(3, 16)
+    positions = torch.tensor([1, 2, 3])
+    got = fused(positions, q.clone(), k.clone())
+    ref = reference(positions, q.clone(), k.clone())
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (6, 40), (2, 3, 8)])
+def test_silu_and_mul(ops: Any, shape: tuple[int, ...]) -> None:
+    fused, reference = _pair(SiluAndMul(), ops)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 4
+    torch.testing.assert_close(fused(x), reference(x), rtol=2e-6, atol=1e-6)
+
+
+def _decode_step(lens: list[int], blocks: list[list[int]], bs: int) -> Any:
+    """A decode-only step: request i decodes its lens[i]-th token (the earlier ones are cached)."""
+    step = prepare_inputs([[0] * n for n in lens], [n - 1 for n in lens], [1] * len(lens), blocks, bs,
+                          torch.device("cpu"), len(lens))
+    return step.attn
+
+
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (None, 30.0)])
+def test_decode_attention(ops: Any, window: int | None, soft_cap: float | None) -> None:
+    heads, kv_heads, hd, bs = 9, 3, 64, 4
+    gen = torch.Generator().manual_seed(3)
+    lens = [9, 1, 14]
+    blocks = [[9, 3, 14], [6], [2, 11, 4, 7]]  # not consecutive: read through the block table
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(16, bs, kv_heads, hd), generator=gen)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * hd, generator=gen)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v = q.reshape(-1, heads, hd), k.reshape(-1, kv_heads, hd), v.reshape(-1, kv_heads, hd)
+    layer = AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, window, soft_cap)
+    reference = TorchSDPABackend.make_impl(layer)
+    fused = TorchSDPABackend.make_impl(layer)
+    fused.cpu_ops = ops
+    common = _decode_step(lens, blocks, bs)
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = reference.forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    md = TorchSDPABackend.build_metadata(common)
+    got = fused.forward(q, k, v, got_cache, md)
+    assert md.c_decode  # the C kernel took the step
+    assert torch.equal(got_cache, ref_cache)  # the new K/V rows written at the same slots
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_step_keeps_torch_path(ops: Any) -> None:
+    """A step with a prefill in it goes through the torch code (the C kernel takes decode-only steps)."""
+    heads, kv_heads, hd, bs = 4, 2, 8, 4
+    layer = AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None)
+    impl, reference = TorchSDPABackend.make_impl(layer), TorchSDPABackend.make_impl(layer)
+    impl.cpu_ops = ops
+    step = prepare_inputs([[0] * 9, [0] * 7], [8, 2], [1, 5], [[9, 3, 14], [6, 11]], bs, torch.device("cpu"), 1)
+    md = TorchSDPABackend.build_metadata(step.attn)
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(16, bs, kv_heads, hd))
+    qkv = torch.randn(6, heads, hd), torch.randn(6, kv_heads, hd), torch.randn(6, kv_heads, hd)
+    got = impl.forward(*qkv, cache.clone(), md)
+    assert md.c_decode is False
+    assert torch.equal(got, reference.forward(*qkv, cache.clone(), TorchSDPABackend.build_metadata(step.attn)))
+
+
+def test_set_cpu_ops_reaches_layers_and_attention(ops: Any) -> None:
+    from pagedllm.layers.attention import Attention
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm(8)
+            self.act = SiluAndMul()
+            self.attn = Attention.__new__(Attention)
+            torch.nn.Module.__init__(self.attn)
+            self.attn.impl = TorchSDPABackend.make_impl(AttentionLayerConfig(2, 8, 1, 1.0, None, None))
+
+    model = Holder()
+    assert set_cpu_ops(model, ops) == 3
+    assert model.norm.cpu_ops is ops and model.attn.impl.cpu_ops is ops
+    assert set_cpu_ops(model, None) == 3 and model.act.cpu_ops is None
+
+
+def test_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CPU_OPS", "0")
+    cpu_ops.cache_clear()
+    try:
+        assert cpu_ops() is None
+        assert cpu_ops_module.unavailable_reason() == "PAGEDLLM_CPU_OPS=0"
+    finally:
+        cpu_ops.cache_clear()
