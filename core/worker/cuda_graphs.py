@@ -26,6 +26,11 @@ positions 0..q-1 written to slots 0..q-1 of the null block (q <= block_size), so
 written in the same step. The attention metadata captured for q > 1 is the backend's non-decode one (one
 segment), which is right for any batch of that shape; a step with mixed query lengths runs eagerly.
 
+Cascade (NOTE 4). Decode-only steps of >= CASCADE_MIN_REQS requests also carry `cascade` = [P, n]: the n real
+requests' first P tokens are in the same blocks (prefix caching shares them by block id), found on the host
+from the block table each step. Graphs of those sizes are captured with it (P = 0 in the dummy step), so a
+backend that reads it (triton_backend NOTE 3) can read the shared keys once per step inside a replay.
+
 Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
 """
 
@@ -79,6 +84,35 @@ def padded_size(sizes: list[int], num_reqs: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+# NOTE 4 thresholds: decode steps of at least CASCADE_MIN_REQS (padded) requests carry the cascade tensor, so
+# their graphs include the cascade kernels; at run time a shared prefix shorter than CASCADE_MIN_TOKENS is
+# reported as 0 (a plain step), as vLLM's heuristic skips short common prefixes.
+CASCADE_MIN_REQS = 8
+CASCADE_MIN_TOKENS = 256
+
+
+def uses_cascade(host: HostInputs, reqs: int, query_len: int) -> bool:
+    """Whether this step's metadata carries the shared-prefix tensor: decode-only and at least 8 requests."""
+    return query_len == 1 and host.num_decodes == host.num_reqs and reqs >= CASCADE_MIN_REQS
+
+
+def shared_prefix_tokens(host: HostInputs) -> int:
+    """Tokens at the start of every request's context held in the same blocks (0 below CASCADE_MIN_TOKENS).
+
+    Only whole blocks before each request's last token count: a block still being written is never shared.
+    """
+    n, bs = host.num_reqs, host.block_size
+    if n < 2:
+        return 0
+    limit = int(host.seq_lens[:n].min() - 1) // bs
+    if limit * bs < CASCADE_MIN_TOKENS:
+        return 0
+    table = host.block_table[:n, :limit]
+    same = (table == table[0]).all(axis=0)
+    blocks = int(np.argmin(same)) if not same.all() else limit
+    return blocks * bs if blocks * bs >= CASCADE_MIN_TOKENS else 0
+
+
 class StepBuffers:
     """Persistent device tensors for one step's inputs, with pinned host mirrors (NOTE 1).
 
@@ -106,6 +140,7 @@ class StepBuffers:
         self.slot_mapping, self.slot_mapping_h = self.slot_mappings[0]
         self.block_table, self.block_table_h = self.block_tables[0]
         self.logits_indices, self.logits_indices_h = pair((max_reqs,), torch.int64)
+        self.cascade, self.cascade_h = pair((2,), torch.int32)  # NOTE 4: [shared prefix tokens, requests]
         self._copied = torch.cuda.Event() if pin else None  # the last load()'s copies have read the mirrors
 
     def fits(self, host: HostInputs, pad_to: int | None = None, query_len: int = 1) -> bool:
@@ -154,6 +189,9 @@ class StepBuffers:
         self._copy(self.query_start_loc, self.query_start_loc_h, reqs + 1)
         self._copy(self.seq_lens, self.seq_lens_h, reqs)
         self._copy(self.logits_indices, self.logits_indices_h, reqs)
+        if uses_cascade(host, reqs, q):
+            self.cascade_h.numpy()[:] = (shared_prefix_tokens(host), n)
+            self._copy(self.cascade, self.cascade_h, 2)
         tables = [(host.block_table, host.slot_mapping)]
         tables += [(g.block_table, g.slot_mapping) for g in host.extra_groups]
         # strict: a step with another number of KV-cache groups than the buffers is a bug, not padding.
@@ -195,9 +233,10 @@ class StepBuffers:
             max_seq_len=host.max_seq_len,
             block_size=host.block_size,
             num_decodes=host.num_decodes + (reqs - host.num_reqs if query_len == 1 else 0),
+            cascade=self.cascade if uses_cascade(host, reqs, query_len) else None,
         )
-        extra = [
-            replace(attn, block_table=bt[:reqs], slot_mapping=sm[:tokens], block_size=g.block_size)
+        extra = [  # (the cascade's blocks are group 0's)
+            replace(attn, block_table=bt[:reqs], slot_mapping=sm[:tokens], block_size=g.block_size, cascade=None)
             for g, (bt, _), (sm, _) in zip(
                 host.extra_groups, self.block_tables[1:], self.slot_mappings[1:], strict=True
             )

@@ -19,13 +19,22 @@ only below 2 per SM. Single-request and small-batch decode (8-64 programs) still
 one program per (request, head) leaves most SMs idle: one request over 32k keys ran 0.10 TB/s unsplit,
 1.38 at 16 segments and 2.24 at 32 (hence the cap of 32). The graph-timed sweep over batch 1..128 is in
 docs/perf-notes.md 2.
+
+NOTE 3 (cascade attention, as vLLM's FlashAttention backend does it for shared prefixes): when many decoding
+requests share their first P tokens' blocks (one system prompt, W4's 1024-token prefix), reading those keys
+once per request is most of a decode step's HBM traffic (W4 at 500 requests: ~30 ms of a step, the shared
+part ~85 % of it). The runner's step buffers carry [P, n] on the device (CommonAttentionMetadata.cascade),
+recomputed every step on the host from the block table; the prefix kernel reads the shared keys once per
+64 query rows (16 requests x 4 heads on tensor cores) and the per-request kernel starts after them; the
+segment reduction merges both. P = 0 makes the same captured graph a plain step (the partials and the merge
+then cost ~2 % of a large decode step). Not used with a sliding window (a window's first key moves).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +69,16 @@ def choose_segments(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
     want = -(-num_sms * _PROGRAMS_PER_SM // programs)
     segments = 1
     while segments < want and segments < _MAX_SEGMENTS:
+        segments *= 2
+    return segments
+
+
+def choose_prefix_segments(rows: int, num_kv_heads: int, num_sms: int) -> int:
+    """Split factor of a cascade's shared prefix: (rows / 64 tiles) x KV heads x segments >= 2 per SM, <= 16."""
+    programs = max(1, -(-rows // 64) * num_kv_heads)
+    want = -(-num_sms * _PROGRAMS_PER_SM // programs)
+    segments = 1
+    while segments < want and segments < 16:
         segments *= 2
     return segments
 
@@ -113,8 +132,18 @@ class TritonImpl:
             num_segments=self._segments(metadata),
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            **self._cascade(metadata),
         )
         return out
+
+    def _cascade(self, md: TritonMetadata) -> dict[str, Any]:
+        """Cascade arguments for a decode-only step whose metadata carries the shared-prefix tensor (NOTE 3)."""
+        cascade = md.common.cascade
+        if cascade is None or not md.decode_only or self.sliding_window is not None:
+            return {}
+        group = self.num_heads // self.num_kv_heads
+        return {"cascade": cascade,
+                "prefix_segments": choose_prefix_segments(md.common.num_reqs * group, self.num_kv_heads, md.num_sms)}
 
     def _segments(self, md: TritonMetadata) -> int:
         if md.num_segments is not None:

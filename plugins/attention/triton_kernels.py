@@ -39,6 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The shared-prefix length a cascade step uses is rounded down to this many keys, so that the prefix kernel's
+# and the suffix kernel's tiles (TILE_N of 16, 32 or 64) both end exactly at it.
+CASCADE_ALIGN = tl.constexpr(64)
+
 
 @triton.jit
 def _round_to_e4m3(x):
@@ -180,7 +184,7 @@ def _attend_tile(
 def _unified_attention_kernel(
     q_ptr, cache_ptr, out_ptr,
     seg_out_ptr, seg_max_ptr, seg_sum_ptr,
-    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr, cascade_ptr,
     num_seqs, scale, soft_cap, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
@@ -188,6 +192,7 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr, KV_FP8: tl.constexpr,
+    CASCADE: tl.constexpr = False, SEG_TOTAL: tl.constexpr = 1,
 ):
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,6 +224,9 @@ def _unified_attention_kernel(
     first = 0
     if USE_WINDOW:
         first = tl.maximum(ctx + local_block * BLOCK_Q - window + 1, 0)
+    if CASCADE:  # the shared prefix's keys are _prefix_attention_kernel's (NOTE on cascade below)
+        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
+        first = tl.where(seq < tl.load(cascade_ptr + 1), prefix, 0)
     tile_lo = first // TILE_N
     tile_hi = (last + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
@@ -255,9 +263,9 @@ def _unified_attention_kernel(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     rows = (q_start + q_pos).to(tl.int64)
-    if NUM_SEGMENTS > 1:
+    if NUM_SEGMENTS > 1 or CASCADE:
         # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
-        sidx = (rows * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        sidx = (rows * NUM_HEADS + head) * SEG_TOTAL + segment
         tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale, mask=out_mask)
         tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
@@ -268,21 +276,83 @@ def _unified_attention_kernel(
 
 
 @triton.jit
+def _prefix_attention_kernel(
+    q_ptr, cache_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, block_table_ptr, cascade_ptr,
+    scale, soft_cap, v_scale,
+    stride_qt, stride_qh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PREFIX_SEGMENTS: tl.constexpr, SEG_TOTAL: tl.constexpr,
+):
+    """Cascade stage 1 for a decode-only batch: the keys every sharing request has in common, read once.
+
+    Rows are (request, query head of this KV head) pairs of many requests -- each decode request is one query
+    token at row == request -- so one K/V tile read feeds BLOCK_M / G requests' dot products on tensor cores.
+    Writes partial segments NUM_SEGMENTS .. NUM_SEGMENTS + PREFIX_SEGMENTS - 1 of each sharing row.
+    """
+    rtile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    pseg = tl.program_id(2)
+    prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
+    n_share = tl.load(cascade_ptr + 1)
+    if prefix == 0 or rtile * BLOCK_M >= n_share * G:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    r = rtile * BLOCK_M + offs_m
+    req = r // G
+    head = kv_head * G + r % G
+    row_ok = req < n_share
+    d_ok = offs_d < HEAD
+    q = tl.load(q_ptr + req[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    n_tiles = prefix // TILE_N  # prefix is a multiple of CASCADE_ALIGN, itself a multiple of TILE_N
+    per_seg = (n_tiles + PREFIX_SEGMENTS - 1) // PREFIX_SEGMENTS
+    tile_lo = pseg * per_seg
+    tile_hi = tl.minimum(n_tiles, tile_lo + per_seg)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    k_base = cache_ptr + kv_head * stride_c_h
+    qk_scale = scale * 1.4426950408889634
+    key_limit = tl.full([BLOCK_M], 0, tl.int32)  # unused: every prefix key is visible to every row
+    for tile in range(tile_lo, tile_hi):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, block_table_ptr, prefix,
+            key_limit, row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, 0,
+            BLOCK_SIZE, TILE_N, False, False, USE_SOFTCAP, KV_FP8,
+        )
+    sidx = (req.to(tl.int64) * NUM_HEADS + head) * SEG_TOTAL + NUM_SEGMENTS + pseg
+    tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
+    tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
+
+
+@triton.jit
 def _reduce_segments_kernel(
-    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, stride_ot, stride_oh,
+    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, cascade_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    SEG_TOTAL: tl.constexpr, SEG_POW2: tl.constexpr, CASCADE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    base = (t * NUM_HEADS + h) * NUM_SEGMENTS
-    offs_s = tl.arange(0, NUM_SEGMENTS)
+    base = (t * NUM_HEADS + h) * SEG_TOTAL
+    offs_s = tl.arange(0, SEG_POW2)
     offs_d = tl.arange(0, HEAD_PAD)
-    m = tl.load(seg_max_ptr + base + offs_s)
+    valid = offs_s < NUM_SEGMENTS
+    if CASCADE:  # prefix segments hold data only for sharing rows (row t is request t) and a prefix > 0
+        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
+        n_share = tl.load(cascade_ptr + 1)
+        valid = (offs_s < NUM_SEGMENTS) | ((offs_s < SEG_TOTAL) & (offs_s * 0 + prefix > 0) & (offs_s * 0 + t < n_share))
+    m = tl.load(seg_max_ptr + base + offs_s, mask=valid, other=float("-inf"))
     m_all = tl.max(m, axis=0)
     m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
     w = tl.exp2(m - m_all)  # maxima are in log2 units; empty segments: exp2(-inf) = 0
-    total = tl.sum(tl.load(seg_sum_ptr + base + offs_s) * w, axis=0)
-    part = tl.load(seg_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    total = tl.sum(tl.load(seg_sum_ptr + base + offs_s, mask=valid, other=0.0) * w, axis=0)
+    part = tl.load(seg_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :], mask=valid[:, None],
+                   other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD)
@@ -307,8 +377,15 @@ def unified_attention(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    cascade: torch.Tensor | None = None,
+    prefix_segments: int = 1,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
+
+    `cascade` (decode-only batches: int32 [shared prefix tokens P, sharing requests n] on the device) runs
+    the cascade: the first n requests' first P keys (rounded down to CASCADE_ALIGN), which sit in request
+    0's blocks, are read once for all of them by _prefix_attention_kernel (split `prefix_segments` ways), the
+    rest per request by the unified kernel, and the reduction merges both. P = 0 at run time is a plain step.
 
     `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` override the
     defaults for tuning; `out` is written for rows < num_tokens. An fp8 cache is read back as
@@ -329,8 +406,10 @@ def unified_attention(
     head_pad = max(16, triton.next_power_of_2(head))
     tile_n = tile_n or (16 if _interpreting() else 64 if block_m >= 64 else 32)
     grid = (num_tokens // block_q + num_seqs, kv_heads, num_segments)
-    if num_segments > 1:
-        rows = num_tokens * num_heads * num_segments
+    use_cascade = cascade is not None
+    seg_total = num_segments + (prefix_segments if use_cascade else 0)
+    if seg_total > 1:
+        rows = num_tokens * num_heads * seg_total
         seg_out = torch.empty(rows * head_pad, dtype=torch.float32, device=query.device)
         seg_max = torch.empty(rows, dtype=torch.float32, device=query.device)
         seg_sum = torch.empty(rows, dtype=torch.float32, device=query.device)
@@ -341,9 +420,10 @@ def unified_attention(
         extra["num_warps"] = num_warps
     if num_stages is not None:
         extra["num_stages"] = num_stages
+    cascade_arg = cascade if use_cascade else seq_lens  # any int32 tensor: unread without CASCADE
     _unified_attention_kernel[grid](
         query, kv_cache, out, seg_out, seg_max, seg_sum,
-        query_start_loc, seq_lens, block_table,
+        query_start_loc, seq_lens, block_table, cascade_arg,
         num_seqs, scale * k_scale, soft_cap or 0.0, sliding_window or 0, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -351,12 +431,26 @@ def unified_attention(
         NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
-        NUM_SEGMENTS=num_segments, KV_FP8=is_fp8(kv_cache.dtype), **extra,
+        NUM_SEGMENTS=num_segments, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade, SEG_TOTAL=seg_total,
+        **extra,
     )
-    if num_segments > 1:
+    if use_cascade:
+        assert sliding_window is None and num_tokens == num_seqs, "cascade: decode-only batches, no window"
+        prefix_m = max(64, triton.next_power_of_2(group))
+        _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
+            query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,
+            scale * k_scale, soft_cap or 0.0, v_scale,
+            query.stride(0), query.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=prefix_m,
+            TILE_N=16 if _interpreting() else 64, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype),
+            NUM_SEGMENTS=num_segments, PREFIX_SEGMENTS=prefix_segments, SEG_TOTAL=seg_total,
+        )
+    if seg_total > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
-            out, seg_out, seg_max, seg_sum, out.stride(0), out.stride(1),
+            out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments,
+            SEG_TOTAL=seg_total, SEG_POW2=triton.next_power_of_2(seg_total), CASCADE=use_cascade,
         )
     return out
 
