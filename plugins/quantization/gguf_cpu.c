@@ -296,12 +296,45 @@ int gguf_matmul(int type, const uint8_t *w, int64_t N, int64_t K, const float *x
     return 0;
 }
 
+#ifdef GGUF_SIMD
+/* decode_block with vectors: the same products and sums (NOTE 1), 8 lanes at a time. */
+INLINE void decode_block_simd(const int type, const uint8_t *blk, float *w) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+    __m256i q[4];
+    if (type == T_Q8_0) {
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)));
+    } else {
+        const __m128i nib = _mm_set1_epi8(0x0f);
+        __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2)));
+        __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        if (type == T_Q4_0) {
+            lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+            hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+        }
+        q[0] = _mm256_cvtepi8_epi32(lo);
+        q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+        q[2] = _mm256_cvtepi8_epi32(hi);
+        q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+    }
+    if (type == T_Q4_1) {
+        const __m256 m = _mm256_set1_ps(f16_to_f32(blk + 2));
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), d), m));
+    } else {
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), d));
+    }
+}
+#endif
+
 INLINE void dequantize_rows(const int type, int64_t t0, int64_t t1, const uint8_t *w, int64_t K,
                             const int64_t *ids, float *out) {
     const int64_t nb = K / QK, bs = block_bytes(type), row_bytes = nb * bs;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *row = w + (ids ? ids[t] : t) * row_bytes;
+#ifdef GGUF_SIMD
+        for (int64_t b = 0; b < nb; b++) decode_block_simd(type, row + b * bs, out + t * K + b * QK);
+#else
         for (int64_t b = 0; b < nb; b++) decode_block(type, row + b * bs, out + t * K + b * QK);
+#endif
     }
 }
 
