@@ -7,7 +7,7 @@ Each backend (triton, flashinfer, flash_attn) is run when its registration's che
 reasons are recorded. Stages, each written to the JSON as soon as it ends:
   a  outputs vs the torch backend, bf16, 32 q / 8 KV heads, head 128, page 16, random mixed batches
      (decodes, fresh prefills, chunks after cached prefixes): ||out - ref|| / ||ref||; run again LAST for
-     window, soft-cap and fp8 KV (vs the torch backend on the same fp8 pages, and vs a bf16 cache), because
+     fp8 KV (x: vs the torch backend on the same fp8 pages, and vs a bf16 cache) and window / soft-cap (w), because
      each of those is a FlashInfer JIT compile of its own (~90 s on a fresh machine; set
      FLASHINFER_WORKSPACE_BASE to keep the compiled modules, e.g. under $OUT, and carry them next time)
   b  speed through each backend's impl.forward (the engine's call, reshape_and_cache included), CUDA events,
@@ -146,16 +146,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def stage_outputs(gen: torch.Generator, extra: bool) -> None:
-    """`extra` False: the plain cases in bf16 (one FlashInfer JIT module each for decode and prefill);
-    True: window, soft-cap and the fp8 cache, each a JIT module of its own (~90 s apiece on a fresh machine:
-    run last, so a time limit cuts them and not the speed and engine stages)."""
+def stage_outputs(gen: torch.Generator, extra: str = "") -> None:
+    """`extra` "": the plain cases in bf16 (one FlashInfer JIT module each for decode and prefill); "x": the
+    same cases over an fp8 cache; "w": window and soft-cap -- each a JIT module of its own (~90 s apiece on
+    a fresh machine: run last, so a time limit cuts them and not the speed and engine stages)."""
     scale = 8 if DRY else 1
     mixed = ([2047 // scale, 31, 1000 // scale, 0, 300 // scale, 0], [1, 1, 1, 513 // scale, 77, 9])
     cases = {"mixed": ({}, mixed), "decode_only": ({}, ([1500 // scale, 17, 1], [1, 1, 1]))}
-    if extra:
+    variants: tuple[str, ...] = ("auto",)
+    if extra == "w":
         cases = {"window": ({"window": 256 // scale}, mixed), "soft_cap": ({"soft_cap": 30.0}, mixed)}
-    for variant in ("auto", "fp8_e4m3") if extra else ("auto",):
+    elif extra == "x":
+        variants = ("fp8_e4m3",)
+    for variant in variants:
         found = backends(context(variant))
         ref_backend = found["torch"]
         rows: dict[str, Any] = {}
@@ -182,7 +185,7 @@ def stage_outputs(gen: torch.Generator, extra: bool) -> None:
                         rows[name][case] = {"rel": rel(got, ref), "nan": int(torch.isnan(got).sum())}
                 except Exception as exc:  # one failing case must not hide the others
                     rows[name][case] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        put(f"a_outputs_{variant}{'_extra' if extra else ''}", rows)
+        put(f"a_outputs_{variant}{'_' + extra if extra else ''}", rows)
 
 
 def stage_speed(gen: torch.Generator, quick: bool) -> None:
@@ -230,7 +233,7 @@ def first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def stage_engine(root: str, quick: bool, model: str | None) -> None:
+def stage_engine(root: str, quick: bool, model: str | None, model_dtypes: list[str]) -> None:
     """Greedy tokens through the whole engine per backend and KV dtype, against the torch backend's.
 
     With `model` (a real-weight checkpoint, e.g. the SmolLM2 GGUF dequantized at load) the prompts are four
@@ -263,7 +266,7 @@ def stage_engine(root: str, quick: bool, model: str | None) -> None:
         questions = ["What is the capital of France?", "Write a haiku about the sea.",
                      "Explain what a KV cache is in two sentences.", "List five prime numbers."]
         prompts = [[{"role": "user", "content": q}] for q in questions]
-        dtypes = ["float16", "bfloat16"]
+        dtypes = model_dtypes
         extra = {"quantization": "none"}
     n_tok = 8 if DRY else 64
     params = SamplingParams(max_tokens=n_tok, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -315,7 +318,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--stages", default="a,b,c,x", help="a outputs, b speed, c engine, x window/soft-cap/fp8")
+    ap.add_argument("--stages", default="a,b,c,x,w", help="a outputs, b speed, c engine, x fp8 KV, w window/soft-cap")
+    ap.add_argument("--dtypes", default="float16,bfloat16", help="stage c's model dtypes with --model")
     ap.add_argument("--model", help="real-weight checkpoint for stage c (e.g. the SmolLM2 GGUF)")
     args = ap.parse_args()
     stages = args.stages.split(",")
@@ -324,7 +328,7 @@ def main() -> None:
     put("env", {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
                 "torch": torch.__version__, "cc": torch.cuda.get_device_capability() if DEVICE == "cuda" else None,
                 "backends": {k: v if isinstance(v, str) else "usable" for k, v in backends(context()).items()}})
-    for key, fn in (("a", lambda: stage_outputs(gen, extra=False)), ("b", lambda: stage_speed(gen, args.quick))):
+    for key, fn in (("a", lambda: stage_outputs(gen)), ("b", lambda: stage_speed(gen, args.quick))):
         if key not in stages:
             continue
         try:
@@ -334,14 +338,15 @@ def main() -> None:
     if not args.skip_engine and "c" in stages:
         with tempfile.TemporaryDirectory() as root:
             try:
-                stage_engine(root, args.quick, args.model)
+                stage_engine(root, args.quick, args.model, args.dtypes.split(","))
             except Exception as exc:
                 fail("c_error", exc)
-    if "x" in stages:
-        try:
-            stage_outputs(gen, extra=True)
-        except Exception as exc:
-            fail("a_extra_error", exc)
+    for extra in ("x", "w"):
+        if extra in stages:
+            try:
+                stage_outputs(gen, extra)
+            except Exception as exc:
+                fail(f"a_{extra}_error", exc)
 
 
 if __name__ == "__main__":
