@@ -34,7 +34,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
+    ap.add_argument("--no-cascade", action="store_true", help="report no shared prefix (cuda_graphs NOTE 4)")
     args = ap.parse_args()
+    if args.no_cascade:
+        import pagedllm.worker.cuda_graphs as cuda_graphs
+
+        cuda_graphs.CASCADE_MIN_TOKENS = 1 << 30
     os.makedirs(args.model_dir, exist_ok=True)
     with open(os.path.join(args.model_dir, "config.json"), "w") as f:
         json.dump(LLAMA_8B_CONFIG, f)
