@@ -66,10 +66,19 @@ def main() -> int:
         so = orig_schedule()
         n = so.num_scheduled_tokens
         current.update(t=time.perf_counter(), tokens=so.total_num_scheduled_tokens, reqs=len(n),
-                       decodes=sum(1 for v in n.values() if v == 1), graphed=False)
+                       decodes=sum(1 for v in n.values() if v == 1), graphed=False, prefix=0)
         return so
 
     sched.schedule = schedule
+    import pagedllm.worker.cuda_graphs as cuda_graphs
+
+    orig_prefix = cuda_graphs.shared_prefix_tokens
+
+    def shared_prefix_tokens(host: Any) -> int:
+        current["prefix"] = orig_prefix(host)
+        return current["prefix"]
+
+    cuda_graphs.shared_prefix_tokens = shared_prefix_tokens
     graphs = runner._graphs
     if graphs is not None:
         orig_run = graphs.run
@@ -101,6 +110,7 @@ def main() -> int:
         for i, r in enumerate(recs):
             if r["decodes"] == r["reqs"]:
                 kind = "decode graphed" if r["graphed"] else "decode eager"
+                kind += " cascade" if r["prefix"] else ""
             else:
                 kind = "mixed <=512" if r["tokens"] <= 512 else ("mixed <=2048" if r["tokens"] <= 2048
                                                                 else "mixed >2048")
