@@ -50,6 +50,10 @@ import triton.language as tl
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
 GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this many rows here
+# The kernel decode takes: "base" (this file's) or one of w4a16_gemv_tiled.TILED_VARIANTS ("tile", "tile_pf",
+# "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
+# examples/gpu/w4_gemv_sweep.py; changing it is the one-line switch.
+GEMV_VARIANT = "base"
 
 
 class GemvBlocks(NamedTuple):
@@ -198,17 +202,24 @@ def w4a16_gemv(
     scales: torch.Tensor,
     n: int,
     blocks: GemvBlocks | tuple[int, int, int, int] | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype, for at most GEMV_MAX_M rows of x.
 
     `layout` must be the GPTQ order (gemv_reason). `blocks` (BLOCK_N, BLOCK_K, num_warps, SPLIT_K)
-    overrides gemv_blocks (tuning runs).
+    overrides gemv_blocks (tuning runs); `variant` overrides GEMV_VARIANT.
     """
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     m = flat.shape[0]
     reason = gemv_reason(layout, m, None) if m > 0 else "no rows"
     assert reason is None, f"w4a16_gemv: {reason}"
+    variant = variant or GEMV_VARIANT
+    if variant != "base":
+        from pagedllm.plugins.quantization import w4a16_gemv_tiled as tiled  # it imports this module
+
+        if tiled.tiled_reason(variant, layout, m) is None:
+            return tiled.w4a16_gemv_tiled(x, layout, qweight, qzeros, scales, n, variant, blocks)
     block_n, block_k, warps, split = blocks or gemv_blocks(layout, m, n, k)
     assert layout.group_size % block_k == 0 and block_k % layout.pack_factor == 0, (block_k, layout)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
