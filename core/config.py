@@ -146,8 +146,9 @@ class EngineConfig(_Section):
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (decode runs eagerly)")
     fused_ops: bool = Field(
         True,
-        description="on CUDA, run RMSNorm(+residual), rotary and SiLU/GELU-and-mul as fused Triton kernels "
-        "(false: the torch ops, for A/B runs; the CPU always uses torch)",
+        description="on CUDA, run RMSNorm(+residual), rotary and SiLU/GELU-and-mul as fused Triton kernels; on "
+        "the CPU, for GGUF weights kept quantized, those and decode attention as C kernels (false: the torch "
+        "ops, for A/B runs; the dense CPU path always uses torch)",
     )
     cuda_graph_sizes: list[int] | None = Field(
         None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"

@@ -239,6 +239,17 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
     assert_same_greedy_up_to_near_tie(greedy_output(kept, prompt, 16), greedy_output(dense, prompt, 16))
 
 
+def test_gguf_file_runs_kept_quantized_by_default_on_the_cpu(tmp_path: Path) -> None:
+    """No `quantization` in the config: a GGUF file keeps its blocks on the CPU; `none` dequantizes at load."""
+    path = tmp_path / "tiny.gguf"
+    write_uniform_gguf(path, "llama", Q.Q4_1)
+    default = LLMEngine(EngineConfig(model=str(path)), plugin_manager=plugin_manager())
+    selection = default.parts.selections["quantization"]
+    assert uses_gguf(default) and selection.winner.name == "gguf" and selection.requested_by == "the checkpoint"
+    dense = LLMEngine(EngineConfig(model=str(path), quantization={"method": "none"}), plugin_manager=plugin_manager())
+    assert not uses_gguf(dense)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer except the rotary cos/sin cache (not a weight)."""
     tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()] if "rotary" not in name}

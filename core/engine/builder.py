@@ -173,10 +173,12 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     backend = selections["attention"].load()
 
     checkpoint_quant = (info.quantization_config or {}).get("quant_method")
-    if checkpoint_quant and (info.quantization_config or {}).get("dense_fallback") and not config.quantization.method:
-        # NOTE: a checkpoint its loader can also serve dense (a GGUF file) runs dequantized unless the config
-        # asks for its method: on the CPU the kept-quantized kernels are still slower on batched prefill
-        # (docs/benchmarks.md), so memory is traded for speed only on request (`quantization: gguf`).
+    dense_fallback = (info.quantization_config or {}).get("dense_fallback")
+    if checkpoint_quant and dense_fallback and not config.quantization.method and device.type != "cpu":
+        # NOTE: a checkpoint its loader can also serve dense (a GGUF file) runs kept quantized on the CPU,
+        # where its C kernels decode faster than the dense model and prefill as fast (docs/benchmarks.md), but
+        # dequantized elsewhere unless the config asks for its method: the GPU has no GGUF kernel yet (each
+        # call would dequantize). `quantization: none` asks for the dense model on the CPU too.
         checkpoint_quant = None
     quant_name = config.quantization.method or checkpoint_quant or "none"
     quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"

@@ -24,4 +24,4 @@ def _check(model: str) -> list[str]:
 
 @hookimpl
 def register_loaders(register: Any) -> None:
-    register("gguf", _load, priority=10, requires=("gguf",), check=_check, description="GGUF file (dequantized at load)")
+    register("gguf", _load, priority=10, requires=("gguf",), check=_check, description="GGUF file (kept quantized on the CPU, else dequantized at load)")

@@ -1,8 +1,9 @@
 """The `gguf` loader: one .gguf file holds the config, tokenizer, chat template and (quantized) weights.
 
-A file with quantized matrices reports quantization_config {"quant_method": "gguf"}, so by default the
-`gguf` method keeps them in their blocks: the loader then sends each matrix as `GGUFBlocks` (file bytes and
-type). When the model's layers use another method (`quantization: none`, or a file of float matrices), the
+A file with quantized matrices reports quantization_config {"quant_method": "gguf"}, so by default on the CPU
+the `gguf` method keeps them in their blocks: the loader then sends each matrix as `GGUFBlocks` (file bytes and
+type). When the model's layers use another method (`quantization: none`, a GPU without `quantization: gguf`,
+or a file of float matrices), the
 weights are dequantized to float32 at load time and the model runs as an ordinary dense checkpoint. The header is parsed once per load and kept between
 `load_info` and `load_weights` on this loader instance (keyed by path, size and mtime); the tensor bytes stay
 memory-mapped and are dequantized one tensor at a time by gguf-py's `quants.dequantize`.
@@ -91,7 +92,7 @@ def _quantization_config(gguf: GGUFFile) -> dict[str, Any] | None:
     """{"quant_method": "gguf"} when any matrix is stored quantized; None for F32/F16/BF16 files."""
     dense = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
     if any(len(t.shape) == 2 and t.ggml_type not in dense for t in gguf.tensors):
-        # dense_fallback: the engine may run the file dequantized when the gguf method is not installed.
+        # dense_fallback: the engine may run the file dequantized (off the CPU it does unless asked; builder.py).
         return {"quant_method": "gguf", "dense_fallback": True}
     return None
 
