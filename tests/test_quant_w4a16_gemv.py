@@ -73,7 +73,9 @@ def _run(chunk: int) -> dict[str, Any]:
         w_t = dequantize(layout, qweight, qzeros, scales, dtype=torch.float64)
         if kind == "awq":
             layout, qweight, qzeros = awq_to_gptq(layout, qweight, qzeros, rows_per_chunk=64)
-        y = w4a16_gemv(x, layout, qweight, qzeros, scales, n, blocks=blocks)
+        # the base kernel's exactness bounds (the tiled variants, the default since the H200 sweep, have their
+        # own test file and bounds: test_quant_w4a16_gemv_tiled.py)
+        y = w4a16_gemv(x, layout, qweight, qzeros, scales, n, blocks=blocks, variant="base")
         ref = x.double() @ w_t
         size = x.double().abs() @ w_t.abs()
         err = (y.double() - ref).abs()

@@ -52,8 +52,8 @@ from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this many rows here
 # The kernel decode takes: "base" (this file's) or one of w4a16_gemv_tiled.TILED_VARIANTS ("tile", "tile_pf",
 # "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
-# examples/gpu/w4_gemv_sweep.py; changing it is the one-line switch.
-GEMV_VARIANT = "base"
+# examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
+GEMV_VARIANT = "mant"
 
 
 class GemvBlocks(NamedTuple):

@@ -297,7 +297,19 @@ _TARGET_PROGRAMS = 1584
 # (docs/perf-notes.md §5c): 8 columns per thread halve the activation loads per code.
 _M1_TILES = {"tile": (256, 64), "tile_pf": (128, 64), "mant": (256, 64), "mant_pf": (256, 64)}
 # Measured choices, (variant, m, n, k) -> blocks: filled from examples/gpu/w4_gemv_sweep.py's H200 output.
-TILED_TABLE: dict[tuple[str, int, int, int], GemvBlocks] = {}
+# (variant, M, N, K) -> blocks: the H200 sweep's best per Llama-3.1-8B shape (`python examples/gpu/w4_gemv_sweep.py`,
+# 2026-11-29 19:26 UTC, docs/benchmarks.md; split is the requested split-K). Other shapes use tiled_blocks' rule.
+_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+_SWEPT = {
+    ("mant", 1): {"qkv": (128, 128, 1, 22), "o": (128, 128, 1, 32), "gate_up": (256, 64, 1, 19), "down": (128, 128, 1, 33)},
+    ("mant", 2): {"qkv": (128, 64, 1, 32), "o": (128, 64, 1, 32), "gate_up": (128, 64, 1, 8), "down": (128, 64, 1, 50)},
+    ("mant", 4): {"qkv": (128, 32, 1, 33), "o": (128, 32, 1, 50), "gate_up": (128, 32, 1, 8), "down": (128, 32, 1, 50)},
+}
+TILED_TABLE: dict[tuple[str, int, int, int], GemvBlocks] = {
+    (variant, m, *_SHAPES[shape]): GemvBlocks(*blocks)
+    for (variant, m), per_shape in _SWEPT.items()
+    for shape, blocks in per_shape.items()
+}
 
 
 def tiled_blocks(variant: str, layout: PackedLayout, m: int, n: int, k: int) -> GemvBlocks:
