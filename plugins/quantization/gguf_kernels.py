@@ -51,6 +51,12 @@ class NativeKernel(nn.Module):
         self._lib = lib
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] < NATIVE_GEMM_ROWS and x.dtype == torch.float32 and x.is_contiguous():
+            # NOTE: the decode path (~120 calls a token): no reshapes, and the buffer read from _buffers
+            # directly (nn.Module.__getattr__ costs ~1 us a call here).
+            y = torch.empty(x.shape[0], self.n)
+            self._lib.matmul(self.ggml_type, self._buffers["blocks"], self.n, self.k, x, y)
+            return y
         flat = x.reshape(-1, self.k)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
