@@ -290,5 +290,50 @@ def _main() -> None:
     print(json.dumps(results))
 
 
+
+def test_cascade_kernels_compile_for_sm90() -> None:
+    """The attention kernels with and without the cascade, through Triton's compiler for sm_90 (offline)."""
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.attention import triton_kernels as t\n"
+        "floats = {'scale', 'soft_cap', 'v_scale'}\n"
+        "def sig_of(fn, cons, bf16):\n"
+        "    def one(a):\n"
+        "        if a in cons: return 'constexpr'\n"
+        "        if a in bf16: return '*bf16'\n"
+        "        if a.startswith('seg_'): return '*fp32'\n"
+        "        if a.endswith('_ptr'): return '*i32'\n"
+        "        return 'fp32' if a in floats else 'i32'\n"
+        "    return {a: one(a) for a in fn.arg_names}\n"
+        "def build(fn, cons, bf16):\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    triton.compile(ASTSource(fn=fn, signature=sig_of(fn, cons, bf16), constexprs=keys),\n"
+        "                   target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
+        "base = dict(NUM_HEADS=32, G=4, HEAD=128, HEAD_PAD=128, BLOCK_SIZE=16, USE_SOFTCAP=False, KV_FP8=False)\n"
+        "for segs, casc, ps in ((1, False, 0), (1, True, 2), (4, True, 8)):\n"
+        "    total = segs + (ps if casc else 0)\n"
+        "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
+        "          NUM_SEGMENTS=segs, CASCADE=casc, SEG_TOTAL=total), {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
+        "    if casc:\n"
+        "        build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64, NUM_SEGMENTS=segs,\n"
+        "              PREFIX_SEGMENTS=ps, SEG_TOTAL=total), {'q_ptr', 'cache_ptr'})\n"
+        "    if total > 1:\n"
+        "        build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, NUM_SEGMENTS=segs,\n"
+        "              SEG_TOTAL=total, SEG_POW2=triton.next_power_of_2(total), CASCADE=casc), {'out_ptr'})\n"
+        "print('ok')\n"
+    )
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton has no offline compile API ({exc})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
 if __name__ == "__main__":
     _main()

@@ -263,7 +263,12 @@ def _unified_attention_kernel(
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     rows = (q_start + q_pos).to(tl.int64)
-    if NUM_SEGMENTS > 1 or CASCADE:
+    # A cascade step whose prefix is 0 at run time (no shared prefix this step) writes its output directly, as
+    # a plain step does; the merge kernel then returns at once (NUM_SEGMENTS == 1 only).
+    partial = NUM_SEGMENTS > 1
+    if CASCADE:
+        partial = partial or (tl.load(cascade_ptr) // CASCADE_ALIGN > 0)
+    if partial:
         # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
         sidx = (rows * NUM_HEADS + head) * SEG_TOTAL + segment
         tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale, mask=out_mask)
@@ -338,6 +343,9 @@ def _reduce_segments_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if CASCADE and NUM_SEGMENTS == 1:  # noqa: SIM102 (a compile-time branch around a run-time test)
+        if tl.load(cascade_ptr) // CASCADE_ALIGN == 0:  # the attention kernel wrote the output itself
+            return
     base = (t * NUM_HEADS + h) * SEG_TOTAL
     offs_s = tl.arange(0, SEG_POW2)
     offs_d = tl.arange(0, HEAD_PAD)
