@@ -69,7 +69,8 @@ def test_padding_slots_skipped(interp: dict[str, Any]) -> None:
     assert interp["padding"] == {"written": True, "others_untouched": True}
 
 
-@pytest.mark.parametrize("variant", ["shared_80", "shared_80_split2", "unaligned_70", "off", "all_share"])
+@pytest.mark.parametrize("variant", ["shared_80", "shared_80_split2", "unaligned_70", "off", "all_share",
+                                     "scattered"])
 def test_cascade_against_torch(interp: dict[str, Any], variant: str) -> None:
     """Cascade decode (a shared prefix read once by the prefix kernel) equals the torch backend's attention."""
     res = interp["cascade"][variant]
@@ -77,18 +78,20 @@ def test_cascade_against_torch(interp: dict[str, Any], variant: str) -> None:
 
 
 def test_cascade_prefix_detection() -> None:
-    from pagedllm.worker.cuda_graphs import shared_prefix_tokens
+    from pagedllm.worker.cuda_graphs import shared_prefix
     from pagedllm.worker.input_prep import plan_inputs
 
     shared = list(range(1, 21))  # 20 blocks of 16 = 320 tokens
-    blocks = [shared + [100 + i] for i in range(3)] + [[200 + j for j in range(21)]]
-    lens = [330, 325, 321, 330]
+    # requests 0, 2, 3 share; 1 has a prefix of its own
+    blocks = [shared + [100], [200 + j for j in range(21)], shared + [101], shared[:19] + [300, 102]]
+    lens = [330, 330, 325, 321]
     host = plan_inputs([list(range(n)) for n in lens], [n - 1 for n in lens], [1] * 4, blocks, 16, 4)
-    assert shared_prefix_tokens(host) == 0  # the last request shares nothing
-    host3 = plan_inputs([list(range(n)) for n in lens[:3]], [n - 1 for n in lens[:3]], [1] * 3, blocks[:3], 16, 3)
-    assert shared_prefix_tokens(host3) == 320
+    tokens, src, flags = shared_prefix(host)
+    assert (tokens, src, flags.tolist()) == (19 * 16, 0, [1, 0, 1, 1])  # request 3 parts after 19 blocks
+    lone = plan_inputs([list(range(n)) for n in lens[:2]], [n - 1 for n in lens[:2]], [1] * 2, blocks[:2], 16, 2)
+    assert shared_prefix(lone)[0] == 0  # two different first blocks: nobody shares
     short = plan_inputs([list(range(n)) for n in (100, 101)], [99, 100], [1, 1], [shared[:7]] * 2, 16, 2)
-    assert shared_prefix_tokens(short) == 0  # under CASCADE_MIN_TOKENS
+    assert shared_prefix(short)[0] == 0  # under CASCADE_MIN_TOKENS
 
 
 def test_engine_greedy_tokens_match_torch(interp: dict[str, Any]) -> None:
@@ -193,17 +196,20 @@ def _padding_case() -> dict[str, bool]:
 
 
 def _cascade_case() -> dict[str, dict[str, float]]:
-    """Decode batches where the first requests share their first 5 blocks (80 tokens, page 16)."""
+    """Decode batches where some requests share their first 5 blocks (80 tokens, page 16)."""
+    from dataclasses import replace
+
     from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
     from pagedllm.plugins.attention.triton_backend import TritonBackend
 
     heads, kv_heads, head, bs = 4, 2, 16, 16
     layer = AttentionLayerConfig(heads, head, kv_heads, head**-0.5)
     results = {}
-    # variant -> (shared prefix tokens told to the kernel, requests sharing, suffix segments)
-    variants = {"shared_80": (80, 4, None), "shared_80_split2": (80, 4, 2), "unaligned_70": (70, 4, None),
-                "off": (0, 4, None), "all_share": (80, 6, None)}
-    for name, (told, n_share, segments) in variants.items():
+    # variant -> (shared prefix tokens told to the kernels, which requests share, suffix segments)
+    variants = {"shared_80": (80, [1, 1, 1, 1, 0, 0], None), "shared_80_split2": (80, [1, 1, 1, 1, 0, 0], 2),
+                "unaligned_70": (70, [1, 1, 1, 1, 0, 0], None), "off": (0, [1, 1, 1, 1, 0, 0], None),
+                "all_share": (80, [1] * 6, None), "scattered": (80, [0, 1, 0, 1, 1, 0], None)}
+    for name, (told, share, segments) in variants.items():
         gen = torch.Generator().manual_seed(3)
         extra = [3, 17, 40, 1, 22, 9]
         shared = list(range(1, 6))
@@ -211,12 +217,11 @@ def _cascade_case() -> dict[str, dict[str, float]]:
         block_ids, contexts = [], []
         for i, e in enumerate(extra):
             ctx = 80 + e
-            own = -(-(ctx + 1) // bs) - 5
-            prefix = shared if i < n_share else list(range(nxt + own, nxt + own + 5))
-            if i >= n_share:
-                nxt += 5
-            block_ids.append(prefix + list(range(nxt, nxt + own)))
-            nxt += own
+            own = -(-(ctx + 1) // bs)
+            mine = own - 5 if share[i] else own  # blocks of its own after the shared ones
+            ids = (shared if share[i] else []) + list(range(nxt, nxt + mine))
+            nxt += mine
+            block_ids.append(ids)
             contexts.append(ctx)
         num_blocks = nxt + 1
         inputs = prepare_inputs([list(range(c + 1)) for c in contexts], contexts, [1] * len(contexts), block_ids,
@@ -228,9 +233,8 @@ def _cascade_case() -> dict[str, dict[str, float]]:
         k = torch.randn(tokens, kv_heads, head, generator=gen)
         v = torch.randn(tokens, kv_heads, head, generator=gen)
         ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(common))
-        from dataclasses import replace
-
-        md = TritonBackend.build_metadata(replace(common, cascade=torch.tensor([told, n_share], dtype=torch.int32)))
+        cascade = torch.tensor([told, share.index(1), *share], dtype=torch.int32)
+        md = TritonBackend.build_metadata(replace(common, cascade=cascade))
         md.num_segments = segments
         got = TritonBackend.make_impl(layer).forward(q, k, v, cache, md)
         results[name] = {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}

@@ -43,8 +43,8 @@ class CommonAttentionMetadata:
     block_size: int
     # Requests are ordered decodes first (query_len == 1), then prefills; this counts the leading decodes.
     num_decodes: int = 0
-    # Decode-only steps on the GPU step buffers: int32 [P, n] on the device -- the first n requests' first P
-    # tokens sit in the same KV blocks (request 0's), P = 0 when the step shares nothing worth a cascade.
+    # Decode-only steps on the GPU step buffers: int32 [P, s, flag per request] on the device -- the flagged
+    # requests' first P tokens sit in the same KV blocks (request s's), P = 0 when nothing is worth a cascade.
     # The values change every step inside a captured graph; a backend may use them (cascade attention) or not.
     cascade: torch.Tensor | None = None
 

@@ -26,12 +26,19 @@ positions 0..q-1 written to slots 0..q-1 of the null block (q <= block_size), so
 written in the same step. The attention metadata captured for q > 1 is the backend's non-decode one (one
 segment), which is right for any batch of that shape; a step with mixed query lengths runs eagerly.
 
-Cascade (NOTE 4). Decode-only steps of >= CASCADE_MIN_REQS requests also carry `cascade` = [P, n]: the n real
-requests' first P tokens are in the same blocks (prefix caching shares them by block id), found on the host
-from the block table each step. Graphs of those sizes are captured with it (P = 0 in the dummy step), so a
+Cascade (NOTE 4). Decode-only steps of >= CASCADE_MIN_REQS requests also carry `cascade` = [P, s, flags]: the
+flagged requests' first P tokens are in the same blocks (prefix caching shares them by block id), those of
+request s -- the requests whose first block is the step's most common one, found on the host from the block
+table each step, so a few requests without the shared system prompt do not switch the cascade off. Graphs of those sizes are captured with it (P = 0 in the dummy step), so a
 backend that reads it (triton_backend NOTE 3) can read the shared keys once per step inside a replay.
 
 Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
+
+Release before leaving a group (NOTE 5). A graph captured with tensor parallelism holds NCCL's all-reduces;
+since NCCL 2.26 destroying a communicator waits until every graph that references it is destroyed (the
+"keep polling until all graphs referencing us die" loop of commDestroySync). An engine that left its group
+with its graphs alive hung there on every rank; with a timeout around the teardown, the process later
+aborted at exit ("terminate called without an active exception"). `release` destroys them first.
 """
 
 from __future__ import annotations
@@ -96,21 +103,29 @@ def uses_cascade(host: HostInputs, reqs: int, query_len: int) -> bool:
     return query_len == 1 and host.num_decodes == host.num_reqs and reqs >= CASCADE_MIN_REQS
 
 
-def shared_prefix_tokens(host: HostInputs) -> int:
-    """Tokens at the start of every request's context held in the same blocks (0 below CASCADE_MIN_TOKENS).
+def shared_prefix(host: HostInputs) -> tuple[int, int, np.ndarray]:
+    """(P, s, flags): the most common first block's requests (flags[i] = 1) hold their first P tokens in the
+    same blocks, those of request s; P = 0 below CASCADE_MIN_TOKENS or with fewer than two such requests.
 
     Only whole blocks before each request's last token count: a block still being written is never shared.
     """
     n, bs = host.num_reqs, host.block_size
-    if n < 2:
-        return 0
-    limit = int(host.seq_lens[:n].min() - 1) // bs
-    if limit * bs < CASCADE_MIN_TOKENS:
-        return 0
-    table = host.block_table[:n, :limit]
+    flags = np.zeros(n, dtype=np.int32)
+    if n < 2 or host.block_table.shape[1] == 0:
+        return 0, 0, flags
+    first = host.block_table[:n, 0]
+    ids, counts = np.unique(first, return_counts=True)
+    members = np.flatnonzero(first == ids[np.argmax(counts)])
+    limit = int(host.seq_lens[members].min() - 1) // bs
+    if len(members) < 2 or limit * bs < CASCADE_MIN_TOKENS:
+        return 0, 0, flags
+    table = host.block_table[members, :limit]
     same = (table == table[0]).all(axis=0)
-    blocks = int(np.argmin(same)) if not same.all() else limit
-    return blocks * bs if blocks * bs >= CASCADE_MIN_TOKENS else 0
+    tokens = (int(np.argmin(same)) if not same.all() else limit) * bs
+    if tokens < CASCADE_MIN_TOKENS:
+        return 0, 0, flags
+    flags[members] = 1
+    return tokens, int(members[0]), flags
 
 
 class StepBuffers:
@@ -140,7 +155,7 @@ class StepBuffers:
         self.slot_mapping, self.slot_mapping_h = self.slot_mappings[0]
         self.block_table, self.block_table_h = self.block_tables[0]
         self.logits_indices, self.logits_indices_h = pair((max_reqs,), torch.int64)
-        self.cascade, self.cascade_h = pair((2,), torch.int32)  # NOTE 4: [shared prefix tokens, requests]
+        self.cascade, self.cascade_h = pair((2 + max_reqs,), torch.int32)  # NOTE 4: [P, s, flag per request]
         self._copied = torch.cuda.Event() if pin else None  # the last load()'s copies have read the mirrors
 
     def fits(self, host: HostInputs, pad_to: int | None = None, query_len: int = 1) -> bool:
@@ -190,8 +205,10 @@ class StepBuffers:
         self._copy(self.seq_lens, self.seq_lens_h, reqs)
         self._copy(self.logits_indices, self.logits_indices_h, reqs)
         if uses_cascade(host, reqs, q):
-            self.cascade_h.numpy()[:] = (shared_prefix_tokens(host), n)
-            self._copy(self.cascade, self.cascade_h, 2)
+            np_cascade = self.cascade_h.numpy()
+            np_cascade[0], np_cascade[1], np_cascade[2 : 2 + n] = shared_prefix(host)
+            np_cascade[2 + n : 2 + reqs] = 0  # padding requests share nothing
+            self._copy(self.cascade, self.cascade_h, 2 + reqs)
         tables = [(host.block_table, host.slot_mapping)]
         tables += [(g.block_table, g.slot_mapping) for g in host.extra_groups]
         # strict: a step with another number of KV-cache groups than the buffers is a bug, not padding.
@@ -282,6 +299,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.sizes = self.sizes_by_query_len[1]
         logger.info("captured CUDA graphs for batch sizes (query length: sizes) %s", self.sizes_by_query_len)
+
+    def release(self) -> None:
+        """Destroy every captured graph and drop the pool (NOTE 5); the object is empty afterwards."""
+        if self._graphs:
+            torch.cuda.synchronize()  # no replay still running
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.sizes, self.sizes_by_query_len, self._pool = [], {}, None
 
     def run(
         self, host: HostInputs, fill: Callable[[torch.Tensor], None] | None = None

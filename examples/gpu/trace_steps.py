@@ -72,13 +72,14 @@ def main() -> int:
     sched.schedule = schedule
     import pagedllm.worker.cuda_graphs as cuda_graphs
 
-    orig_prefix = cuda_graphs.shared_prefix_tokens
+    orig_prefix = cuda_graphs.shared_prefix
 
-    def shared_prefix_tokens(host: Any) -> int:
-        current["prefix"] = orig_prefix(host)
-        return current["prefix"]
+    def shared_prefix(host: Any) -> Any:
+        found = orig_prefix(host)
+        current["prefix"] = found[0]
+        return found
 
-    cuda_graphs.shared_prefix_tokens = shared_prefix_tokens
+    cuda_graphs.shared_prefix = shared_prefix
     graphs = runner._graphs
     if graphs is not None:
         orig_run = graphs.run

@@ -21,13 +21,13 @@ one program per (request, head) leaves most SMs idle: one request over 32k keys 
 docs/perf-notes.md 2.
 
 NOTE 3 (cascade attention, as vLLM's FlashAttention backend does it for shared prefixes): when many decoding
-requests share their first P tokens' blocks (one system prompt, W4's 1024-token prefix), reading those keys
-once per request is most of a decode step's HBM traffic (W4 at 500 requests: ~30 ms of a step, the shared
-part ~85 % of it). The runner's step buffers carry [P, n] on the device (CommonAttentionMetadata.cascade),
-recomputed every step on the host from the block table; the prefix kernel reads the shared keys once per
-64 query rows (16 requests x 4 heads on tensor cores) and the per-request kernel starts after them; the
-segment reduction merges both. P = 0 makes the same captured graph a plain step (the partials and the merge
-then cost ~2 % of a large decode step). Not used with a sliding window (a window's first key moves).
+requests share their first P tokens' blocks (one system prompt, W4's 1024-token prefix), each request re-reads
+those keys. The runner's step buffers carry [P, s, flags] on the device (CommonAttentionMetadata.cascade),
+recomputed every step on the host from the block table; the prefix kernel reads the shared keys once per 64
+query rows (16 requests x 4 heads, on tensor cores) for the flagged requests, the per-request kernel starts
+after them, and the segment reduction merges both. W4 on the H200: decode steps of ~496 requests 31.3 -> 23.5
+ms of GPU, 1.17x end to end (docs/perf-notes.md 7). P = 0 makes the same captured graph a plain step (direct
+output, the merge returns at once). Not used with a sliding window (a window's first key moves).
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def _unified_attention_kernel(
         first = tl.maximum(ctx + local_block * BLOCK_Q - window + 1, 0)
     if CASCADE:  # the shared prefix's keys are _prefix_attention_kernel's (NOTE on cascade below)
         prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
-        first = tl.where(seq < tl.load(cascade_ptr + 1), prefix, 0)
+        first = tl.where(tl.load(cascade_ptr + 2 + seq) != 0, prefix, 0)
     tile_lo = first // TILE_N
     tile_hi = (last + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
@@ -283,8 +283,8 @@ def _unified_attention_kernel(
 @triton.jit
 def _prefix_attention_kernel(
     q_ptr, cache_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, block_table_ptr, cascade_ptr,
-    scale, soft_cap, v_scale,
-    stride_qt, stride_qh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
+    num_seqs, scale, soft_cap, v_scale,
+    stride_qt, stride_qh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h, stride_bt,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PREFIX_SEGMENTS: tl.constexpr, SEG_TOTAL: tl.constexpr,
@@ -299,15 +299,15 @@ def _prefix_attention_kernel(
     kv_head = tl.program_id(1)
     pseg = tl.program_id(2)
     prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
-    n_share = tl.load(cascade_ptr + 1)
-    if prefix == 0 or rtile * BLOCK_M >= n_share * G:
+    if prefix == 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     r = rtile * BLOCK_M + offs_m
     req = r // G
     head = kv_head * G + r % G
-    row_ok = req < n_share
+    row_ok = req < num_seqs
+    row_ok = row_ok & (tl.load(cascade_ptr + 2 + req, mask=row_ok, other=0) != 0)  # this request shares
     d_ok = offs_d < HEAD
     q = tl.load(q_ptr + req[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -322,9 +322,10 @@ def _prefix_attention_kernel(
     k_base = cache_ptr + kv_head * stride_c_h
     qk_scale = scale * 1.4426950408889634
     key_limit = tl.full([BLOCK_M], 0, tl.int32)  # unused: every prefix key is visible to every row
+    bt_row = block_table_ptr + tl.load(cascade_ptr + 1) * stride_bt  # a sharing request's table holds the prefix
     for tile in range(tile_lo, tile_hi):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, block_table_ptr, prefix,
+            q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, prefix,
             key_limit, row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, 0,
             BLOCK_SIZE, TILE_N, False, False, USE_SOFTCAP, KV_FP8,
         )
@@ -352,8 +353,8 @@ def _reduce_segments_kernel(
     valid = offs_s < NUM_SEGMENTS
     if CASCADE:  # prefix segments hold data only for sharing rows (row t is request t) and a prefix > 0
         prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
-        n_share = tl.load(cascade_ptr + 1)
-        valid = (offs_s < NUM_SEGMENTS) | ((offs_s < SEG_TOTAL) & (offs_s * 0 + prefix > 0) & (offs_s * 0 + t < n_share))
+        shares = tl.load(cascade_ptr + 2 + t)
+        valid = (offs_s < NUM_SEGMENTS) | ((offs_s < SEG_TOTAL) & (offs_s * 0 + prefix > 0) & (offs_s * 0 + shares != 0))
     m = tl.load(seg_max_ptr + base + offs_s, mask=valid, other=float("-inf"))
     m_all = tl.max(m, axis=0)
     m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
@@ -390,10 +391,10 @@ def unified_attention(
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
 
-    `cascade` (decode-only batches: int32 [shared prefix tokens P, sharing requests n] on the device) runs
-    the cascade: the first n requests' first P keys (rounded down to CASCADE_ALIGN), which sit in request
-    0's blocks, are read once for all of them by _prefix_attention_kernel (split `prefix_segments` ways), the
-    rest per request by the unified kernel, and the reduction merges both. P = 0 at run time is a plain step.
+    `cascade` (decode-only batches: int32 [P, s, flag_0 .. flag_{B-1}] on the device) runs the cascade: the
+    requests whose flag is set share their first P keys (rounded down to CASCADE_ALIGN), held in request s's
+    blocks; _prefix_attention_kernel reads them once for all of those (split `prefix_segments` ways), the
+    unified kernel the rest per request, and the reduction merges both. P = 0 at run time is a plain step.
 
     `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` override the
     defaults for tuning; `out` is written for rows < num_tokens. An fp8 cache is read back as
@@ -447,9 +448,9 @@ def unified_attention(
         prefix_m = max(64, triton.next_power_of_2(group))
         _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
             query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,
-            scale * k_scale, soft_cap or 0.0, v_scale,
+            num_seqs, scale * k_scale, soft_cap or 0.0, v_scale,
             query.stride(0), query.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
             NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=prefix_m,
             TILE_N=16 if _interpreting() else 64, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype),
             NUM_SEGMENTS=num_segments, PREFIX_SEGMENTS=prefix_segments, SEG_TOTAL=seg_total,
