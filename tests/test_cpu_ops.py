@@ -96,6 +96,14 @@ def test_silu_and_mul(ops: Any, shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(fused(x), reference(x), rtol=2e-6, atol=1e-6)
 
 
+def test_silu_and_mul_over_the_whole_float_range(ops: Any) -> None:
+    """The vectorized exp (cpu_ops.c NOTE 4) at both clamps and across the range, against torch's silu."""
+    fused, reference = _pair(SiluAndMul(), ops)
+    gate = torch.cat([torch.linspace(-120, 120, 2999), torch.tensor([0.0, -1e-30, 88.5, -88.5, 200.0])])
+    x = torch.cat([gate, torch.linspace(-3, 3, gate.numel())]).unsqueeze(0)
+    torch.testing.assert_close(fused(x), reference(x), rtol=1e-6, atol=1e-30)
+
+
 def _decode_step(lens: list[int], blocks: list[list[int]], bs: int) -> Any:
     """A decode-only step: request i decodes its lens[i]-th token (the earlier ones are cached)."""
     step = prepare_inputs([[0] * n for n in lens], [n - 1 for n in lens], [1] * len(lens), blocks, bs,
