@@ -28,8 +28,10 @@ load (the dots then run as for a 16-bit cache) and applies the scales where they
 folded into the softmax scale (q . k_scale*k = k_scale * q . k) and v_scale multiplies the normalised
 output once (P @ (v_scale * v) = v_scale * P @ v).
 
-Split-KV (flash-decoding): with NUM_SEGMENTS > 1 each program covers one contiguous segment of the tiles
-and writes an un-normalised partial output, its max and its exp-sum; `_reduce_segments` merges them.
+Split-KV (flash-decoding): with num_segments > 1 each program covers one contiguous segment of the tiles and
+writes an un-normalised partial output, its max and its exp-sum; `_reduce_segments` merges them. The counts are
+run-time arguments (SPLIT is the compile-time switch): one compiled variant serves every split factor, where a
+constexpr count compiled one per factor and per cascade width (~25 Triton compiles at a cold start).
 Long-context decode batches have too few (request, KV head) programs to fill 132 SMs; segments multiply them.
 """
 
@@ -179,20 +181,21 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# num_seqs changes every step: without this, Triton would compile a variant for 1, for multiples of 16, ...
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs changes every step, the segment counts with the batch size: without do_not_specialize Triton would
+# compile a variant for 1, for multiples of 16, ... (start-up: each variant is a compile, NOTE on split-KV)
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "seg_total"])
 def _unified_attention_kernel(
     q_ptr, cache_ptr, out_ptr,
     seg_out_ptr, seg_max_ptr, seg_sum_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr, cascade_ptr,
-    num_seqs, scale, soft_cap, window, v_scale,
+    num_seqs, scale, soft_cap, window, v_scale, num_segments, seg_total,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h,
     stride_bt,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, NUM_SEGMENTS: tl.constexpr, KV_FP8: tl.constexpr,
-    CASCADE: tl.constexpr = False, SEG_TOTAL: tl.constexpr = 1,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    CASCADE: tl.constexpr = False,
 ):
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -229,8 +232,8 @@ def _unified_attention_kernel(
         first = tl.where(tl.load(cascade_ptr + 2 + seq) != 0, prefix, 0)
     tile_lo = first // TILE_N
     tile_hi = (last + TILE_N - 1) // TILE_N
-    if NUM_SEGMENTS > 1:
-        per_seg = (tile_hi - tile_lo + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    if SPLIT:
+        per_seg = (tile_hi - tile_lo + num_segments - 1) // num_segments
         tile_lo = tile_lo + segment * per_seg
         tile_hi = tl.minimum(tile_hi, tile_lo + per_seg)
 
@@ -264,13 +267,13 @@ def _unified_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     rows = (q_start + q_pos).to(tl.int64)
     # A cascade step whose prefix is 0 at run time (no shared prefix this step) writes its output directly, as
-    # a plain step does; the merge kernel then returns at once (NUM_SEGMENTS == 1 only).
-    partial = NUM_SEGMENTS > 1
+    # a plain step does; the merge kernel then returns at once (unsplit steps only).
+    partial = SPLIT
     if CASCADE:
         partial = partial or (tl.load(cascade_ptr) // CASCADE_ALIGN > 0)
     if partial:
         # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
-        sidx = (rows * NUM_HEADS + head) * SEG_TOTAL + segment
+        sidx = (rows * NUM_HEADS + head) * seg_total + segment
         tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale, mask=out_mask)
         tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
@@ -280,20 +283,20 @@ def _unified_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "prefix_segments", "seg_total"])
 def _prefix_attention_kernel(
     q_ptr, cache_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, block_table_ptr, cascade_ptr,
-    num_seqs, scale, soft_cap, v_scale,
+    num_seqs, scale, soft_cap, v_scale, num_segments, prefix_segments, seg_total,
     stride_qt, stride_qh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h, stride_bt,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PREFIX_SEGMENTS: tl.constexpr, SEG_TOTAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Cascade stage 1 for a decode-only batch: the keys every sharing request has in common, read once.
 
     Rows are (request, query head of this KV head) pairs of many requests -- each decode request is one query
     token at row == request -- so one K/V tile read feeds BLOCK_M / G requests' dot products on tensor cores.
-    Writes partial segments NUM_SEGMENTS .. NUM_SEGMENTS + PREFIX_SEGMENTS - 1 of each sharing row.
+    Writes partial segments num_segments .. num_segments + prefix_segments - 1 of each sharing row.
     """
     rtile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -312,7 +315,7 @@ def _prefix_attention_kernel(
     q = tl.load(q_ptr + req[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     n_tiles = prefix // TILE_N  # prefix is a multiple of CASCADE_ALIGN, itself a multiple of TILE_N
-    per_seg = (n_tiles + PREFIX_SEGMENTS - 1) // PREFIX_SEGMENTS
+    per_seg = (n_tiles + prefix_segments - 1) // prefix_segments
     tile_lo = pseg * per_seg
     tile_hi = tl.minimum(n_tiles, tile_lo + per_seg)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -329,40 +332,48 @@ def _prefix_attention_kernel(
             key_limit, row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, 0,
             BLOCK_SIZE, TILE_N, False, False, USE_SOFTCAP, KV_FP8,
         )
-    sidx = (req.to(tl.int64) * NUM_HEADS + head) * SEG_TOTAL + NUM_SEGMENTS + pseg
+    sidx = (req.to(tl.int64) * NUM_HEADS + head) * seg_total + num_segments + pseg
     tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(seg_max_ptr + sidx, m_i, mask=row_ok)
     tl.store(seg_sum_ptr + sidx, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "seg_total"])
 def _reduce_segments_kernel(
-    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, cascade_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    SEG_TOTAL: tl.constexpr, SEG_POW2: tl.constexpr, CASCADE: tl.constexpr,
+    out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, cascade_ptr, stride_ot, stride_oh, num_segments, seg_total,
+    NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CASCADE: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    """Merge a row's partial segments, CHUNK at a time (the counts are run-time values: one compiled variant)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if CASCADE and NUM_SEGMENTS == 1:  # noqa: SIM102 (a compile-time branch around a run-time test)
-        if tl.load(cascade_ptr) // CASCADE_ALIGN == 0:  # the attention kernel wrote the output itself
+    # Segments [0, num_segments) are the row's own keys; with a cascade, [num_segments, seg_total) hold the
+    # shared prefix's partials, written only for sharing rows (row t is request t) and a prefix > 0.
+    n_valid = num_segments
+    if CASCADE:
+        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN
+        if num_segments == 1 and prefix == 0:  # the attention kernel wrote the output itself
             return
-    base = (t * NUM_HEADS + h) * SEG_TOTAL
-    offs_s = tl.arange(0, SEG_POW2)
+        n_valid = tl.where((prefix > 0) & (tl.load(cascade_ptr + 2 + t) != 0), seg_total, num_segments)
+    base = (t * NUM_HEADS + h) * seg_total
+    offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_PAD)
-    valid = offs_s < NUM_SEGMENTS
-    if CASCADE:  # prefix segments hold data only for sharing rows (row t is request t) and a prefix > 0
-        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
-        shares = tl.load(cascade_ptr + 2 + t)
-        valid = (offs_s < NUM_SEGMENTS) | ((offs_s < SEG_TOTAL) & (offs_s * 0 + prefix > 0) & (offs_s * 0 + shares != 0))
-    m = tl.load(seg_max_ptr + base + offs_s, mask=valid, other=float("-inf"))
-    m_all = tl.max(m, axis=0)
+    m_all = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
+    for c in range(0, n_valid, CHUNK):
+        m = tl.load(seg_max_ptr + base + c + offs_c, mask=c + offs_c < n_valid, other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(m, axis=0))
     m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
-    w = tl.exp2(m - m_all)  # maxima are in log2 units; empty segments: exp2(-inf) = 0
-    total = tl.sum(tl.load(seg_sum_ptr + base + offs_s, mask=valid, other=0.0) * w, axis=0)
-    part = tl.load(seg_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :], mask=valid[:, None],
-                   other=0.0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
+    for c in range(0, n_valid, CHUNK):
+        ok = c + offs_c < n_valid
+        idx = base + c + offs_c
+        w = tl.exp2(tl.load(seg_max_ptr + idx, mask=ok, other=float("-inf")) - m_all)  # log2 units; empty: 0
+        total += tl.sum(tl.load(seg_sum_ptr + idx, mask=ok, other=0.0) * w, axis=0)
+        part = tl.load(seg_out_ptr + idx[:, None] * HEAD_PAD + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], axis=0)
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD)
 
@@ -433,33 +444,30 @@ def unified_attention(
     _unified_attention_kernel[grid](
         query, kv_cache, out, seg_out, seg_max, seg_sum,
         query_start_loc, seq_lens, block_table, cascade_arg,
-        num_seqs, scale * k_scale, soft_cap or 0.0, sliding_window or 0, v_scale,
+        num_seqs, scale * k_scale, soft_cap or 0.0, sliding_window or 0, v_scale, num_segments, seg_total,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
-        NUM_SEGMENTS=num_segments, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade, SEG_TOTAL=seg_total,
-        **extra,
+        SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade, **extra,
     )
     if use_cascade:
         assert sliding_window is None and num_tokens == num_seqs, "cascade: decode-only batches, no window"
         prefix_m = max(64, triton.next_power_of_2(group))
         _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
             query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,
-            num_seqs, scale * k_scale, soft_cap or 0.0, v_scale,
+            num_seqs, scale * k_scale, soft_cap or 0.0, v_scale, num_segments, prefix_segments, seg_total,
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
             NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=prefix_m,
             TILE_N=16 if _interpreting() else 64, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype),
-            NUM_SEGMENTS=num_segments, PREFIX_SEGMENTS=prefix_segments, SEG_TOTAL=seg_total,
         )
     if seg_total > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
-            out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, NUM_SEGMENTS=num_segments,
-            SEG_TOTAL=seg_total, SEG_POW2=triton.next_power_of_2(seg_total), CASCADE=use_cascade,
+            out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1), num_segments, seg_total,
+            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, CASCADE=use_cascade, CHUNK=8,
         )
     return out
 
