@@ -1,4 +1,4 @@
-"""Registers the `gguf` method: GGUF weights kept in their quantized blocks, with CPU int4/int8 kernels."""
+"""Registers the `gguf` method: GGUF weights kept in their quantized blocks, with CPU and CUDA (Triton) kernels."""
 
 from __future__ import annotations
 
@@ -42,5 +42,5 @@ def register_quantization_methods(register: Any) -> None:
         requires=["gguf"],
         config_model=GGUFOptions,
         description="GGUF blocks kept quantized (CPU: C kernels on the blocks, else int4 / int8 weight-only "
-        "GEMMs; other types dequantized per call)",
+        "GEMMs; CUDA: Triton kernels on the blocks for Q4_0..Q8_0 and Q2_K..Q6_K; other types dequantized per call)",
     )

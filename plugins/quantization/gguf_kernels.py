@@ -8,6 +8,9 @@ embedding and LM head share one quantized copy):
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
+    TritonKernel      CUDA, Q4_0 .. Q8_0 and Q2_K .. Q6_K: the file's blocks read by gguf_triton.py's kernels
+                      (a GEMV for <= 8 rows, else dequantize to a scratch matrix + cuBLAS): `quantization: gguf`
+                      on CUDA
     DequantKernel     any type: blocks kept, dequantized per call (optionally cached once as float)
     DenseKernel       F32 / F16 / BF16 tensors of a GGUF file
 
@@ -179,10 +182,34 @@ class GroupInt8Kernel(nn.Module):
         return w.transpose(0, 1).reshape(len(ids), self.k)
 
 
+class TritonKernel(nn.Module):
+    """The GGUF blocks as stored in the file (uint8 [N, bytes per row] on the GPU), run by gguf_triton.py."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], device: torch.device) -> None:
+        super().__init__()
+        from pagedllm.plugins.quantization import gguf_triton
+
+        self.register_buffer("blocks", data.to(device).contiguous())
+        self.ggml_type = int(ggml_type)
+        self.n, self.k = shape
+        self._triton = gguf_triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._triton.gguf_matmul(x, self._buffers["blocks"], self.ggml_type, self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] (float32, exact): the picked rows' blocks through the dequantize kernel."""
+        picked = self.blocks[ids.to(self.blocks.device)]
+        return self._triton.gguf_dequantize(picked, self.ggml_type, self.k, torch.float32)
+
+
 class DequantKernel(nn.Module):
     """Any GGUF type: the blocks stay resident and are dequantized per call (or once, when `cache`)."""
 
     blocks: torch.Tensor
+    fallback_reason: str | None = None  # set when a faster kernel was refused (gguf_method.make_kernel)
 
     def __init__(self, data: torch.Tensor, ggml_type: object, shape: tuple[int, int], cache: bool) -> None:
         super().__init__()

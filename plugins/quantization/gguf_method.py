@@ -17,10 +17,16 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                                     aten's int4/int8 kernels, with a warning, where it cannot be built)
                 "native"         -- gguf_cpu.c or an error saying why not
                 "aten"           -- aten's kernels (bfloat16 activations; the path before gguf_cpu.c)
+
+On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf_triton.py (TritonKernel); any other
+type, or no Triton, falls back to a per-call dequantization, and the reason is logged once per type and kept
+on the kernel (`fallback_reason`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -41,11 +47,28 @@ from pagedllm.plugins.quantization.gguf_kernels import (
     GroupInt8Kernel,
     Int4PackKernel,
     NativeKernel,
+    TritonKernel,
 )
+
+logger = logging.getLogger("pagedllm")
 
 _EMBEDDING_MODES = ("keep", "int4")
 _CPU_KERNELS = ("auto", "native", "aten")
 NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what gguf_cpu.c decodes
+# What gguf_triton.py decodes (its TRITON_TYPES; kept here so choosing a kernel does not import triton).
+TRITON_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+_logged_fallbacks: set[str] = set()
+
+
+def triton_reason(ggml_type: Q, device: torch.device) -> str | None:
+    """Why TritonKernel cannot run this type on this device, or None when it can."""
+    if device.type != "cuda":
+        return f"the Triton GGUF kernels run on CUDA, not {device.type}"
+    if ggml_type not in TRITON_TYPES:
+        return f"{ggml_type.name} has no Triton GGUF kernel (covered: {', '.join(t.name for t in TRITON_TYPES)})"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
 
 
 def make_kernel(
@@ -68,8 +91,17 @@ def make_kernel(
         return Int4PackKernel(q, scale, zero + 8 * scale)
     if device.type == "cpu" and t in (Q.Q8_0, Q.Q5_0, Q.Q5_1):
         return GroupInt8Kernel(*decode_blocks(blocks.data, t, blocks.shape))
-    # TODO(issue 7): a Triton dequant-GEMM for CUDA and torch K-quant decoding into Int4PackKernel.
-    return DequantKernel(blocks.data.to(device), t, blocks.shape, cache)
+    reason = triton_reason(t, device) if device.type == "cuda" else None
+    if device.type == "cuda" and reason is None:
+        return TritonKernel(blocks.data, int(t), blocks.shape, device)
+    # TODO(issue 7): torch K-quant decoding into Int4PackKernel on the CPU.
+    kernel = DequantKernel(blocks.data.to(device), t, blocks.shape, cache)
+    if reason is not None:
+        kernel.fallback_reason = reason
+        if reason not in _logged_fallbacks:
+            _logged_fallbacks.add(reason)
+            logger.warning("gguf: %s; these weights are dequantized on every call", reason)
+    return kernel
 
 
 def requantize_int4(w: torch.Tensor) -> Int4PackKernel:

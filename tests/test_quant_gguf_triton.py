@@ -1,0 +1,201 @@
+"""The Triton GGUF kernels (gguf_triton.py) against gguf-py, under Triton's interpreter; and an sm_90 compile.
+
+Blocks: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 come from the `gguf` package's quantizer on random weights; gguf-py has
+no K-quant quantizer, so Q2_K .. Q6_K blocks are random bytes with their f16 scale fields set to small
+positive values (every other bit pattern is a valid code); one real matrix comes from the embedded SmolLM2
+file (Q4_1). The reference weights are gguf-py's `dequantize` (float32).
+
+As in test_quant_w4a16_gemv.py, TRITON_INTERPRET must be set before triton is first imported, so the cases run
+in child processes (this file as a script) and the tests read their JSON. Checks:
+    dequantize      our kernel's fp32 output == gguf-py's float32 bit for bit; fp16 == gguf-py's rounded once
+    GEMV (M 1, 3)   |y - x @ W^T| <= 1e-6 * S (+ ulp16(y) for float16), S = |x| @ |W^T|, reference in float64
+    scratch (M 64)  the same bound against x @ W_dtype^T: the scratch matrix holds W rounded to x's dtype, as a
+                    model dequantized at load would
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# f16 scale fields of the K-quants (byte offsets in the block): set so random blocks decode to sane weights.
+_K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+N, K = 40, 512  # N not a multiple of any BLOCK_N; K two K-quant super-blocks, four GEMV steps
+CHUNKS = 4
+
+
+def _blocks(name: str, seed: int) -> Any:
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    t = GGMLQuantizationType[name]
+    rng = np.random.default_rng(seed)
+    if name not in _K_SCALE_FIELDS:
+        return quantize(rng.standard_normal((N, K)).astype(np.float32), t)
+    qk, ts = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (N, K // qk, ts), dtype=np.uint8)
+    for off in _K_SCALE_FIELDS[name]:
+        d = (rng.random((N, K // qk)) * 0.01 + 1e-4).astype(np.float16)
+        raw[..., off : off + 2] = d.view(np.uint8).reshape(N, K // qk, 2)
+    return raw.reshape(N, -1)
+
+
+def _smollm2_blocks() -> tuple[Any, str, int, int]:
+    """blk.0.attn_k.weight of the embedded SmolLM2 file: Q4_1, [192, 576]."""
+    from gguf import GGUFReader
+
+    from pagedllm.default_model import default_model_path
+
+    tensor = next(t for t in GGUFReader(default_model_path()).tensors if t.name == "blk.0.attn_k.weight")
+    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+    return tensor.data, tensor.tensor_type.name, n, k
+
+
+def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int, ...]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedllm.plugins.quantization.gguf_kernels import TritonKernel
+    from pagedllm.plugins.quantization.gguf_triton import gemv_blocks, gguf_dequantize, gguf_gemv
+
+    t = GGMLQuantizationType[name]
+    ref_w = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, t), dtype=np.float32).reshape(n, k))
+    data = torch.from_numpy(np.ascontiguousarray(blocks))
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float16):
+        w = gguf_dequantize(data, int(t), k, dtype)
+        out[f"dequant_{dtype}"] = bool(torch.equal(w, ref_w.to(dtype)))
+    kernel = TritonKernel(data, int(t), (n, k), torch.device("cpu"))
+    ids = torch.tensor([n - 1, 0, n // 2])
+    out["rows"] = bool(torch.equal(kernel.rows(ids), ref_w[ids]))
+    g = torch.Generator().manual_seed(seed)
+    for m in ms:
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            # The GEMV with the 8B shapes' tiles (fewer interpreted programs), but Q4_0 through the kernel's own
+            # dispatch and tiles (BLOCK_N = 4 for N = 40).
+            y = gguf_gemv(x, data, int(t), n, gemv_blocks(4096, m)) if m <= 8 and t != t.Q4_0 else kernel.forward(x)
+            w_ref = ref_w.to(dtype).double() if m > 8 else ref_w.double()  # the scratch holds W in x's dtype
+            ref = x.double() @ w_ref.t()
+            size = x.double().abs() @ w_ref.abs().t()
+            ulp16 = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+            bound = 1e-6 * size + (ulp16 if dtype == torch.float16 else 0.0)
+            err = (y.double() - ref).abs()
+            out[f"m{m}_{dtype}"] = {"shape": list(y.shape), "dtype": str(y.dtype),
+                                    "worst_over_bound": float((err / bound).max())}
+    return out
+
+
+def _run(chunk: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for i, name in enumerate(TYPES):
+        if i % CHUNKS == chunk:
+            results[name] = _check_case(_blocks(name, i), name, N, K, i, (1, 3, 64))
+    if chunk == CHUNKS - 1:
+        blocks, name, n, k = _smollm2_blocks()
+        results["smollm2_attn_k"] = _check_case(blocks, name, n, k, 99, (1, 64)) | {"type": name}
+    return results
+
+
+@functools.cache
+def _chunk_results(chunk: int) -> dict[str, Any]:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, str(chunk)], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _result(name: str) -> dict[str, Any]:
+    chunk = CHUNKS - 1 if name not in TYPES else TYPES.index(name) % CHUNKS
+    return dict(_chunk_results(chunk)[name])
+
+
+def _assert_case(got: dict[str, Any], ms: tuple[int, ...], n: int) -> None:
+    assert got["dequant_torch.float32"] and got["dequant_torch.float16"], got
+    assert got["rows"], got
+    for m in ms:
+        for dtype in ("torch.float32", "torch.float16"):
+            case = got[f"m{m}_{dtype}"]
+            assert case["shape"] == [m, n] and case["dtype"] == dtype, case
+            assert case["worst_over_bound"] <= 1.0, (m, dtype, case)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_triton_kernels_equal_gguf_reference(name: str) -> None:
+    _assert_case(_result(name), (1, 3, 64), N)
+
+
+def test_smollm2_matrix() -> None:
+    """A real matrix of the embedded model (Q4_1 [192, 576]): exact dequantization, GEMV and scratch path."""
+    got = _result("smollm2_attn_k")
+    assert got["type"] == "Q4_1"
+    _assert_case(got, (1, 64), 192)
+
+
+def test_selection_reasons() -> None:
+    """Pure Python: the CUDA selector takes every covered type and names the reason for the rest."""
+    import torch
+
+    from pagedllm.plugins.quantization import gguf_triton
+    from pagedllm.plugins.quantization.gguf_blocks import Q
+    from pagedllm.plugins.quantization.gguf_method import TRITON_TYPES, triton_reason
+
+    assert {int(t) for t in TRITON_TYPES} == set(gguf_triton.TRITON_TYPES)
+    assert {t.name for t in TRITON_TYPES} == set(TYPES)
+    cuda = torch.device("cuda")
+    assert all(triton_reason(t, cuda) is None for t in TRITON_TYPES)
+    reason = triton_reason(Q.IQ2_XXS, cuda)
+    assert reason is not None and "IQ2_XXS" in reason
+    assert triton_reason(Q.Q4_0, torch.device("cpu")) is not None
+
+
+def test_compiles_for_sm90() -> None:
+    """Every kernel variant through Triton's compiler for sm_90 (offline: no GPU): the dequantize kernel per type
+    (bf16 and fp16 out), the GEMV per type at M = 1 and 3, and at M = 8 for a 32-block and a K-quant type."""
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.quantization import gguf_triton as g\n"
+        "def comp(fn, cons, ptrs):\n"
+        "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
+        "           for a in fn.arg_names}\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
+        "                   options={'num_warps': 4})\n"
+        "for t, (qk, ts) in g.TRITON_TYPES.items():\n"
+        "    for dt in ('*bf16', '*fp16'):\n"
+        "        comp(g._gguf_dequant_kernel, dict(TYPE=t, QK=qk, TS=ts, BLOCK_N=16, BLOCK_K=256), {'out_ptr': dt})\n"
+        "    for rows in (1, 3, 8) if t in (2, 14) else (1, 3):\n"
+        "        bn, bk, _ = g.gemv_blocks(4096, rows)\n"
+        "        comp(g._gguf_gemv_kernel, dict(TYPE=t, QK=qk, TS=ts, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk),\n"
+        "             {'x_ptr': '*bf16', 'y_ptr': '*bf16'})\n"
+        "print('ok')\n"
+    )
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton has no offline compile API ({exc})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run(int(sys.argv[1]))))
