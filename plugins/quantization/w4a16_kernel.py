@@ -18,8 +18,13 @@ gathered once per code; with no act-order the step lies inside one group, so zer
 NOTE 3: with SPLIT_K > 1 the programs of one tile add float32 partial sums atomically into a zeroed buffer,
 cast to the activation dtype afterwards (summation order, so the last bits, may vary run to run).
 NOTE 4: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
-NOTE 5: decode (at most 8 rows) goes to the GEMV in w4a16_gemv.py instead (w4a16_matmul picks): this GEMM
-pads M to 16 rows for tl.dot and reads far below the 4-bit stream's bandwidth there (docs/benchmarks.md).
+NOTE 5: w4a16_matmul picks the kernel by rows:
+
+    M <= GEMV_MAX_M (8)          the GEMV, w4a16_gemv.py: this GEMM pads M to 16 rows for tl.dot and reads far
+                                 below the 4-bit stream's bandwidth there (docs/benchmarks.md)
+    8 < M < DEQUANT_MIN_M (128)  this GEMM
+    M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16_dequant.py: at 2048 rows this
+                                 GEMM is 4.2x bf16's time (the unpacking competes with tl.dot for issue slots)
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M, w4a16_dequant_matmul
 from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
@@ -181,8 +187,11 @@ def w4a16_matmul(
     g_idx: torch.Tensor | None,
     n: int,
 ) -> torch.Tensor:
-    """y = x @ dequantize(...) by the GEMV for decode-sized inputs, the GEMM otherwise (NOTE 5)."""
+    """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the GEMM
+    between (NOTE 5)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if m > 0 and gemv_reason(layout, m, g_idx) is None:
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
+    if m >= DEQUANT_MIN_M:
+        return w4a16_dequant_matmul(x, layout, qweight, qzeros, scales, g_idx, n)
     return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)

@@ -5,8 +5,9 @@ w4a16_layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor
 loader place fused pieces and tensor-parallel shards without knowing the format.
 
     after loading   AWQ's codes are repacked into the GPTQ order (same bytes); act-order inputs are sorted
-    apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16_gemv.py), else
-                    the GEMM (w4a16_kernel.py)
+    apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16_gemv.py), the GEMM
+                    (w4a16_kernel.py) up to 127 rows; from 128 rows the weight is dequantized into a per-call
+                    16-bit scratch and cuBLAS multiplies (w4a16_dequant.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
 """
 
