@@ -5,12 +5,16 @@
 
 Llama-3.1-8B linear shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336), random codes,
 group 128; times are µs for one decoder layer's four linears (CUDA-graph replay, do_bench_cudagraph):
-  1. agreement: W4 (the dispatcher: GEMV at M <= 8, GEMM above) vs dequantize-then-matmul in float32, AWQ
+  1. agreement: W4 (the dispatcher: GEMV at M <= 8, GEMM below 128 rows, dequantize + cuBLAS from 128) vs
+     dequantize-then-matmul in float32, AWQ
      (repacked at load as the method does) and GPTQ v1; FP8: the fused per-token quantization's bytes and
      scales vs the torch code, and the W8A8 output vs its dequantized weights
   2. tuning at M = 1: the GEMV's (BLOCK_N, BLOCK_K, warps, SPLIT_K) over a small grid, per shape
   3. speed, with each variant's relative error printed beside its time:
-     bf16 F.linear | W4 dispatch | W4 GEMM alone (M <= 8, the old path) at M = 1, 2, 4, 8, 16, 2048, 8192;
+     bf16 F.linear | W4 dispatch | W4 GEMM alone (the old path at M <= 8 and M >= 128) at M = 1, 2, 4, 8, 16,
+     128, 2048, 8192; and at M = 16, 128, 2048, 8192 'W4 dequant+cuBLAS' (w4_dequant_cublas, forced: the
+     scratch W^T + torch.matmul), the dequantization kernel alone (w4_dequant_alone) and bf16 torch.mm on a
+     [K, N] weight (bf16_kn: the "NN" cuBLAS layout the scratch gives, against F.linear's "TN")
      FP8 W8A8 (fused quantization) | FP8 with the torch quantization (the old path) at M = 1, 16, 2048, 8192
 --dry-run runs every stage on the CPU under TRITON_INTERPRET=1 with tiny shapes and float16 (the interpreter's
 bfloat16 math is wrong), FP8's _scaled_mm emulated in float32: it checks the script, not speed.
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SHAPES_TINY = {"qkv": (192, 256), "o": (128, 256), "gate_up": (320, 256), "down": (128, 384)}
 GROUP = 128
+DEQUANT_MS = (16, 128, 130, 2048, 8192)  # rows at which the forced dequant+cuBLAS path is timed (130: dry run)
 
 
 @dataclass
@@ -94,12 +99,17 @@ def make_packed(ctx: Ctx, kind: str, n: int, k: int) -> dict[str, Any]:
 
 
 def w4_call(p: dict[str, Any], x: torch.Tensor, kernel: str = "dispatch", blocks: Any = None) -> torch.Tensor:
+    from pagedllm.plugins.quantization.w4a16_dequant import w4a16_dequant_matmul, w4a16_dequantize
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
     from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm, w4a16_matmul
 
     args = (x, p["layout"], p["qweight"], p["qzeros"], p["scales"])
     if kernel == "gemm":
         return w4a16_gemm(*args, None, p["n"])
+    if kernel == "dequant":
+        return w4a16_dequant_matmul(*args, None, p["n"])
+    if kernel == "dequant_alone":  # the scratch W^T [K, N] only
+        return w4a16_dequantize(p["layout"], p["qweight"], p["qzeros"], p["scales"], None, p["n"], x.dtype)
     if kernel == "gemv":
         return w4a16_gemv(*args, p["n"], blocks=blocks)
     return w4a16_matmul(*args, None, p["n"])
@@ -133,16 +143,24 @@ def fp8_call(ctx: Ctx, p: dict[str, Any], x: torch.Tensor, quant: str = "fused")
 def agreement(ctx: Ctx, results: dict[str, Any]) -> None:
     from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
     from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
+    from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M
     from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason
+    from pagedllm.plugins.quantization.w4a16_layout import dequantize
 
     out = results.setdefault("agreement", {})
     n, k = ctx.shapes["o"]
     for kind in ("awq", "gptq"):
         p = make_packed(ctx, kind, n, k)
-        for m in (*[m for m in ctx.w4_ms if m <= 16], 300 if not ctx.dry_run else 20):
+        for m in (*[m for m in ctx.w4_ms if m <= 16], 20, 300 if not ctx.dry_run else DEQUANT_MIN_M + 2):
             x = torch.randn(m, k, device=ctx.device).to(ctx.dtype)
-            path = "gemv" if gemv_reason(p["layout"], m, None) is None else "gemm"
+            path = ("gemv" if gemv_reason(p["layout"], m, None) is None else
+                    "dequant" if m >= DEQUANT_MIN_M else "gemm")
             out[f"w4_{kind}_m{m}_{path}"] = rel_err(w4_call(p, x), x.float() @ p["w_t"])
+        x = torch.randn(16, k, device=ctx.device).to(ctx.dtype)  # the forced large-M path at a small M
+        out[f"w4_{kind}_m16_dequant_forced"] = rel_err(w4_call(p, x, "dequant"), x.float() @ p["w_t"])
+        w_t = w4_call(p, x, "dequant_alone")
+        ref = dequantize(p["layout"], p["qweight"], p["qzeros"], p["scales"], None, dtype=ctx.dtype)
+        out[f"w4_{kind}_dequant_kernel_bits_differ"] = int((w_t != ref).sum())
     p8 = make_fp8(ctx, n, k)
     for m in ctx.fp8_ms:
         x = torch.randn(m, k, device=ctx.device).to(ctx.dtype) * torch.rand(m, 1, device=ctx.device).to(ctx.dtype)
@@ -203,15 +221,23 @@ def speed(ctx: Ctx, results: dict[str, Any]) -> None:
             x = torch.randn(m, k, device=ctx.device).to(ctx.dtype)
             w = (torch.randn(n, k, device=ctx.device) * 0.02).to(ctx.dtype)
             add("bf16", ctx.time_us(lambda x=x, w=w: F.linear(x, w)))
+            if m in DEQUANT_MS:  # the layout the dequantized scratch hands cuBLAS: x [M, K] @ W^T [K, N]
+                w_kn = w.t().contiguous()
+                add("bf16_kn", ctx.time_us(lambda x=x, w_kn=w_kn: torch.mm(x, w_kn)))
+                del w_kn
             del w
             if m in ctx.w4_ms:
                 for kind in ("awq", "gptq"):
                     p = make_packed(ctx, kind, n, k)
                     ref = x.float() @ p["w_t"]
                     add(f"w4_{kind}", ctx.time_us(lambda x=x, p=p: w4_call(p, x)), rel_err(w4_call(p, x), ref))
-                    if m <= 8 and kind == "gptq":  # the old path at decode sizes, for the comparison
+                    if kind == "gptq" and (m <= 8 or m >= 128):  # the old path, for the comparison
                         add("w4_gemm_only", ctx.time_us(lambda x=x, p=p: w4_call(p, x, "gemm")),
                             rel_err(w4_call(p, x, "gemm"), ref))
+                    if kind == "gptq" and m in DEQUANT_MS:  # perf-notes §5d: W4 dequant+cuBLAS
+                        add("w4_dequant_cublas", ctx.time_us(lambda x=x, p=p: w4_call(p, x, "dequant")),
+                            rel_err(w4_call(p, x, "dequant"), ref))
+                        add("w4_dequant_alone", ctx.time_us(lambda x=x, p=p: w4_call(p, x, "dequant_alone")))
                     del p
             if m in ctx.fp8_ms:
                 p8 = make_fp8(ctx, n, k)
@@ -226,7 +252,7 @@ def speed(ctx: Ctx, results: dict[str, Any]) -> None:
         if not ctx.dry_run:
             torch.cuda.synchronize()
         row.update({f"speedup_{key}": row["bf16"] / v for key, v in list(row.items())
-                    if key not in ("bf16", "fp8_quant_kernel_alone")})
+                    if key not in ("bf16", "fp8_quant_kernel_alone", "w4_dequant_alone")})
         out[f"m{m}"] = {"us": row, "rel_err": err}
 
 
@@ -240,6 +266,9 @@ def print_summary(results: dict[str, Any]) -> None:
         ]
         if "fp8_quant_kernel_alone" in us:
             cells.append(f"fp8 quant kernel alone {us['fp8_quant_kernel_alone']:.1f}")
+        for name in ("bf16_kn", "w4_dequant_alone"):
+            if name in us:
+                cells.append(f"{name} {us[name]:.1f}")
         print(f"{key:>6} µs/layer: " + " | ".join(cells))
     for shape, t in results.get("tuning_gemv_m1", {}).items():
         print("tuning_gemv_m1", shape, "best", t["best"], f"{t['best_us']:.1f}us",
@@ -253,9 +282,9 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     args = parser.parse_args()
     if args.dry_run:
-        ctx = Ctx("cpu", torch.float16, SHAPES_TINY, (1, 3, 16), (1, 16), True, args.quick)
+        ctx = Ctx("cpu", torch.float16, SHAPES_TINY, (1, 3, 16, 130), (1, 16), True, args.quick)
     else:
-        ctx = Ctx("cuda", torch.bfloat16, SHAPES_8B, (1, 2, 4, 8, 16, 2048, 8192), (1, 16, 2048, 8192), False,
+        ctx = Ctx("cuda", torch.bfloat16, SHAPES_8B, (1, 2, 4, 8, 16, 128, 2048, 8192), (1, 16, 2048, 8192), False,
                   args.quick)
     import triton
 
