@@ -75,7 +75,7 @@ class SchedulerConfig(_Section):
     async_scheduling: bool | None = Field(
         None,
         description="schedule and prepare step N+1 while the GPU runs step N (vLLM's async scheduling); "
-        "None = on for one CUDA rank without speculative decoding, off otherwise",
+        "None = on for CUDA (any tensor_parallel_size) without speculative decoding, off otherwise",
     )
 
 

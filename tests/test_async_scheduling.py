@@ -153,12 +153,15 @@ def test_scheduler_plugins_opt_in(model_dir: str, monkeypatch: pytest.MonkeyPatc
         LLM(model_dir, block_size=4, async_scheduling=True)
 
 
-def test_refused_config_stops_remote_ranks(model_dir: str) -> None:
+def test_refused_config_stops_remote_ranks(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A setting the engine core refuses after the executor started its remote ranks (here async scheduling
-    with tp=2) raises, and leaves no rank process behind."""
+    with tp=2 and a scheduler that does not declare it) raises, and leaves no rank process behind."""
     import multiprocessing
 
+    from pagedllm.plugins.schedulers.fcfs_scheduler import FCFSScheduler
+
+    monkeypatch.setattr(FCFSScheduler, "supports_async_scheduling", False)  # rank 0's core alone decides
     before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match="tensor-parallel ranks step in lockstep"):
+    with pytest.raises(ValueError, match="scheduler plugin 'fcfs' does not declare supports_async_scheduling"):
         LLM(model_dir, block_size=4, tensor_parallel_size=2, async_scheduling=True)
     assert set(multiprocessing.active_children()) == before

@@ -73,14 +73,22 @@ def tokens(outputs: list[Any]) -> list[list[int]]:
 
 
 @pytest.mark.slow  # a local Ray cluster and its actors
-def test_tp2_with_ray_actor_ranks_equals_tp1(ray_cluster: Any, tiny_root: Path) -> None:
-    """The `ray` executor: rank 1 is a Ray actor in a placement group, rank 0 this process (gloo between)."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_with_ray_actor_ranks_equals_tp1(ray_cluster: Any, tiny_root: Path, async_scheduling: bool) -> None:
+    """The `ray` executor: rank 1 is a Ray actor in a placement group, rank 0 this process (gloo between);
+    synchronous steps, and pipelined ones (fire-and-forget actor calls, ids broadcast by rank 0)."""
     model = make_tiny_model("llama", tiny_root)
     with LLM(model, **ENGINE) as single:
         reference = tokens(single.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
-    with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE) as llm:
+    with LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=async_scheduling,
+             **ENGINE) as llm:
         assert llm.engine.parts.selections["executor"].winner.name == "ray"
+        assert llm.engine.core.async_scheduling == async_scheduling
         assert tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)) == reference
+        # An unseeded sampled batch in between leaves the ranks in step (and the cache empty).
+        llm.generate(PROMPTS[3:], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True), use_tqdm=False)
+        assert tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)) == reference
+        assert llm.engine.kv_cache_usage == 0.0
 
 
 @pytest.mark.slow  # a local Ray cluster and its actors

@@ -35,3 +35,11 @@ def tp_min(value: int, tp_size: int) -> int:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def tp_broadcast(x: torch.Tensor, tp_size: int, src: int = 0) -> torch.Tensor:
+    """Every rank's `x` becomes rank `src`'s, in place (identity at tp_size 1). Same shape and dtype on every
+    rank; on NCCL it is queued on the device like the other collectives (no host wait)."""
+    if tp_size > 1:
+        dist.broadcast(x, src)
+    return x

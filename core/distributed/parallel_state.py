@@ -111,7 +111,9 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     """Leave the group (NOTE 2); safe to call when none was joined.
 
     NOTE 3: NCCL's communicator teardown waits for the other ranks to tear down theirs, so every rank must
-    call this at about the same time (an executor tells its workers to stop, then calls it, then joins them).
+    call this at about the same time (an executor tells its workers to stop, then calls it, then joins them),
+    and it also waits for every CUDA graph that captured the group's collectives: callers destroy theirs
+    first (cuda_graphs.py NOTE 5; with them alive this timed out on every rank and the process aborted at exit).
     If a rank is already dead it would wait forever: after `timeout_s` the teardown is left running in the
     background and this process stays in the group (a warning says so), rather than hang the caller.
     """

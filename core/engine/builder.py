@@ -263,7 +263,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     )
     # The runner's block_size is group 0's (the config's, unless a layer type sets its own).
     runner = ModelRunner(
-        model, backend, kv_caches, group_block_sizes[0], device, vocab_size, options, group_block_sizes
+        model, backend, kv_caches, group_block_sizes[0], device, vocab_size, options, group_block_sizes,
+        tp_rank=tp_rank, tp_size=tp_size,
     )
     if device.type == "cuda" and options.cuda_graphs:
         runner.capture_cuda_graphs()

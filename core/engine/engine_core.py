@@ -10,7 +10,9 @@ step N's output (model_runner.py NOTE 1), so that work overlaps N+1 on the GPU. 
 request's in-flight sample as a placeholder token (Request.num_output_placeholders): N+1 schedules its
 position, and a request whose in-flight tokens reach max_tokens is not scheduled again. What a request
 stopping on EOS or a stop string costs is one extra token computed and dropped. Outputs reach the caller
-one step later than they are computed.
+one step later than they are computed. With tensor parallelism the executor sends each step to the remote
+ranks and does not wait for them; every rank runs it pipelined, and rank 0's sampled ids reach the others by
+a broadcast on the device (model_runner.py NOTE 2), so all ranks feed the model rank 0's tokens.
 
 Plugins that act on steps live here, so they run wherever the core runs: the configured logits processors
 (built once, handed to the runner's sampler) and the `step_stats` hook.
@@ -52,6 +54,8 @@ class EngineCore:
         # The executor runs every tensor-parallel rank; uniproc hands back runner.execute itself (no extra hop).
         self.executor = parts.executor
         self._execute = parts.executor.execute_model if parts.executor is not None else parts.runner.execute
+        self._execute_pipelined: Any = getattr(parts.executor if parts.executor is not None else parts.runner,
+                                               "execute_pipelined", None)
         self._errors: list[EngineCoreOutput] = []
         self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
         try:
@@ -91,7 +95,7 @@ class EngineCore:
         wanted = config.scheduler.async_scheduling
         why_not = (
             "speculative decoding verifies drafts against known tokens" if config.speculative.method else
-            "tensor-parallel ranks step in lockstep" if self.parts.tp_size > 1 else
+            "the executor has no pipelined step (execute_pipelined)" if self._execute_pipelined is None else
             "the model runner has no pipelined step" if not hasattr(self.runner, "execute_pipelined") else
             f"scheduler plugin {config.scheduler.name!r} does not declare supports_async_scheduling"
             if not getattr(self.scheduler, "supports_async_scheduling", False) else None
@@ -193,7 +197,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
-        previous = self.runner.execute_pipelined(scheduler_output)
+        previous = self._execute_pipelined(scheduler_output)
         if previous is not None:
             outputs.extend(self.scheduler.update_from_output(self._in_flight, previous))
         self._in_flight = None if scheduler_output.is_empty else scheduler_output

@@ -6,8 +6,15 @@ graph matches), then runs each step rank 0 sends it. Its sampled tokens are thro
 
 NOTE 1: every rank computes the same logits (the LM head all-gathers them), but a rank's *sampled* token may
 still differ from rank 0's (unseeded rows draw from each process's own default generator; a logits processor
-plugin runs only in rank 0). Each step therefore carries rank 0's previous output, and the worker writes
-those tokens over its own before running, so all ranks always feed the model the same token ids.
+plugin runs only in rank 0). Each synchronous step therefore carries rank 0's previous output, and the worker
+writes those tokens over its own before running, so all ranks always feed the model the same token ids.
+
+NOTE 2: a pipelined step (async scheduling) carries no previous output: the runners themselves broadcast rank
+0's sampled ids every step (model_runner.py NOTE 2). Rank 0 sends and goes on (no reply); the worker runs the
+steps in the order they were sent, and the collectives keep the ranks within a step of each other.
+
+NOTE 3: `close` destroys the runner's CUDA graphs before leaving the group: NCCL will not destroy a
+communicator that a live graph references (cuda_graphs.py NOTE 5). Rank 0's executor does the same.
 """
 
 from __future__ import annotations
@@ -54,8 +61,11 @@ class TPWorker:
         self.runner = build_engine_parts(self.config, pm, tp_rank=self.rank).runner
 
     def execute(self, message: bytes) -> None:
-        """Run one step from rank 0's pickled (SchedulerOutput, rank 0's previous output)."""
-        scheduler_output, previous = pickle.loads(message)
+        """Run one step from rank 0's pickled (SchedulerOutput, rank 0's previous output, pipelined)."""
+        scheduler_output, previous, pipelined = pickle.loads(message)
+        if pipelined:  # NOTE 2
+            self.runner.execute_pipelined(scheduler_output)
+            return
         self._adopt_tokens(previous)
         self.runner.execute(scheduler_output)
 
@@ -70,9 +80,15 @@ class TPWorker:
                 state.replace_last_outputs(tokens)
 
     def close(self) -> None:
+        """Leave the group (NOTE 3: graphs first)."""
+        if self.runner is not None:
+            self.runner.release_cuda_graphs()
         destroy_tensor_parallel()
 
 
-def encode_step(scheduler_output: SchedulerOutput, previous: ModelRunnerOutput | None) -> bytes:
-    """One pickle per step for all remote ranks (not one per rank)."""
-    return pickle.dumps((scheduler_output, previous), protocol=pickle.HIGHEST_PROTOCOL)
+def encode_step(
+    scheduler_output: SchedulerOutput, previous: ModelRunnerOutput | None, pipelined: bool = False
+) -> bytes:
+    """One pickle per step for all remote ranks (not one per rank); a pipelined step carries no `previous`."""
+    message = (scheduler_output, None if pipelined else previous, pipelined)
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

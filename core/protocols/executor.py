@@ -12,7 +12,9 @@ Lifecycle, driven by the builder:
                               have joined)
     ... rank 0's model, KV cache and runner are built ...
     executor.bind(runner)     waits until every remote rank has built its shard (raises with its error)
-    executor.execute_model(scheduler_output) -> ModelRunnerOutput      every step
+    executor.execute_model(scheduler_output) -> ModelRunnerOutput      every step (synchronous scheduling)
+    executor.execute_pipelined(scheduler_output) -> ModelRunnerOutput | None
+                              every step with async scheduling: launches this step, returns the one before
     executor.check_health()   raises WorkerDiedError naming the dead rank
     executor.shutdown()       stops the remote ranks, leaves the group; idempotent
 """
@@ -54,6 +56,13 @@ class Executor(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output."""
+        ...
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch one step on every rank without waiting for it; return rank 0's output of the step launched
+        before (None if none), as ModelRunner.execute_pipelined does (model_runner.py NOTES 1 and 2). Optional:
+        an executor without it runs synchronously (the engine core says why when async scheduling is asked for).
+        """
         ...
 
     def check_health(self) -> None:

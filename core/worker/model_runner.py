@@ -23,6 +23,12 @@ known -- feeds that position from N's sampled-ids tensor (a device-side gather i
 any graph replay). Only after launching N+1's forward does the runner wait for N's ids (a non-blocking copy
 into pinned memory), write them over the placeholders, and then sample N+1, so penalties, logits
 processors and seeded generators see exactly the tokens a synchronous run would.
+
+Tensor parallelism (NOTE 2): every rank runs the same pipelined steps; rank 0 alone samples and then
+broadcasts its ids over the group, in-stream (NCCL on GPUs, gloo on the CPU), into the tensor each rank's
+next step gathers its placeholders from. Remote ranks skip the sampler: their inputs, states and KV cache
+hold rank 0's tokens without a host round trip and without rank 0's previous output in the step message
+(the synchronous path's adoption, tp_worker.py NOTE 1).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.distributed.communication import tp_broadcast
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_cache.spec import MambaSpec
 from pagedllm.sample.metadata import SamplingMetadata, to_device
@@ -82,8 +89,11 @@ class ModelRunner:
         vocab_size: int,
         options: GPURunnerOptions | None = None,
         block_sizes: list[int] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.model = model
+        self.tp_rank, self.tp_size = tp_rank, tp_size  # this runner's tensor-parallel rank (NOTE 2)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -143,6 +153,12 @@ class ModelRunner:
             graphs.capture(sizes, self.block_sizes, lens)
         self._graphs = graphs
         return graphs.sizes
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy the captured graphs (before leaving a tensor-parallel group: cuda_graphs.py NOTE 5)."""
+        if self._graphs is not None:
+            self._graphs.release()
+            self._graphs = None
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -261,7 +277,8 @@ class ModelRunner:
     def execute_pipelined(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Launch this step and return the previous one's output (None if there was none): NOTE 1.
 
-        Not for speculative decoding or tensor parallelism (the engine runs those through `execute`).
+        Not for speculative decoding (the engine runs it through `execute`). With tp > 1 every rank calls
+        this for every step, in the same order; a remote rank's return value means nothing (NOTE 2).
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
@@ -282,11 +299,7 @@ class ModelRunner:
             logits_indices = logits_indices[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden[logits_indices])
         rows = [states[i] for i in sample_rows]
-        metadata = SamplingMetadata.build(
-            [r.sampling_params for r in rows], [r.generator for r in rows], [r.prompt_token_ids for r in rows],
-            [r.output_token_ids for r in rows], self.vocab_size, self.device,
-        )
-        out = self.sampler(logits, metadata)
+        sampled_ids, logprobs = self._sample_pipelined(logits, rows)
         host, ready = None, None
         if self.device.type == "cuda":
             n = len(rows)
@@ -294,16 +307,29 @@ class ModelRunner:
                 self._sampled_host = torch.empty(max(n, self.options.max_num_seqs), dtype=torch.int64,
                                                  pin_memory=True)
             host = self._sampled_host[:n]
-            host.copy_(out.sampled_token_ids, non_blocking=True)
+            host.copy_(sampled_ids, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         positions = []
         for r in rows:
             positions.append(len(r.output_token_ids))
             r.append_outputs([PLACEHOLDER])
-        self._pending = _PendingStep(req_ids, sample_rows, rows, positions, out.sampled_token_ids, host, ready,
-                                     out.logprobs)
+        self._pending = _PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs)
         return previous
+
+    def _sample_pipelined(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> tuple[torch.Tensor, Any]:
+        """This step's sampled ids on the device, and their logprobs (rank 0's only: NOTE 2). Every rank has
+        computed the logits (the LM head's all-gather is a collective); only rank 0 samples from them."""
+        if self.tp_rank == 0:
+            metadata = SamplingMetadata.build(
+                [r.sampling_params for r in rows], [r.generator for r in rows], [r.prompt_token_ids for r in rows],
+                [r.output_token_ids for r in rows], self.vocab_size, self.device,
+            )
+            out = self.sampler(logits, metadata)
+            sampled, logprobs = out.sampled_token_ids.to(torch.int64).contiguous(), out.logprobs
+        else:
+            sampled, logprobs = torch.empty(len(rows), dtype=torch.int64, device=self.device), None
+        return tp_broadcast(sampled, self.tp_size), logprobs
 
     def _placeholder_fill(
         self, states: list[CachedRequestState], num_sched: list[int]

@@ -9,7 +9,10 @@
           output) once, put in every inbox ──▶ inbox.get(); adopt rank 0's tokens; runner.execute()
           run rank 0's runner          ◀─────▶ (they meet in the model's all-reduces / all-gathers)
           return rank 0's output
-    shutdown: None to every inbox, join  ──▶   leave group, exit
+    pipelined step (async scheduling): the
+          same, without `previous`      ──▶    runner.execute_pipelined() (rank 0's ids come by broadcast)
+    shutdown: None to every inbox; drop
+          rank 0's CUDA graphs, leave   ──▶   drop CUDA graphs, leave group, exit
 
 NOTE 1: the control plane is a multiprocessing queue per rank, not a torch.distributed broadcast: a worker
 waits for the next step for as long as the engine is idle, which a collective would turn into a timeout.
@@ -91,16 +94,27 @@ class MultiprocExecutor:
             waiting.discard(rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.check_health()
-        message = encode_step(scheduler_output, self._previous)
-        for inbox in self._inboxes:
-            inbox.put(message)
+        self._send(encode_step(scheduler_output, self._previous))
         try:
             output: ModelRunnerOutput = self._runner.execute(scheduler_output)
         except Exception as exc:
             raise self._failure(exc) from exc
         self._previous = output
         return output
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step on every rank; return rank 0's output of the step before (tp_worker.py NOTE 2)."""
+        self._send(encode_step(scheduler_output, None, pipelined=True))
+        try:
+            output: ModelRunnerOutput | None = self._runner.execute_pipelined(scheduler_output)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        return output
+
+    def _send(self, message: bytes) -> None:
+        self.check_health()
+        for inbox in self._inboxes:
+            inbox.put(message)
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -141,7 +155,10 @@ class MultiprocExecutor:
         for inbox in self._inboxes:
             with contextlib.suppress(Exception):
                 inbox.put(None)
-        # Rank 0 leaves the group while the workers leave theirs (NCCL's teardown waits for every rank).
+        # Rank 0 leaves the group while the workers leave theirs (NCCL's teardown waits for every rank, and for
+        # every CUDA graph holding its collectives: cuda_graphs.py NOTE 5).
+        if self._runner is not None:
+            self._runner.release_cuda_graphs()
         destroy_tensor_parallel(timeout_s=10.0 if all(p.is_alive() for p in self._procs) else 1.0)
         for proc in self._procs:
             proc.join(timeout=10)

@@ -7,7 +7,8 @@ PACK keeps the ranks on one node when one has room (NVLink / loopback); the rend
 node IP, so ranks on several nodes also meet.
 
 Steps go as in the multiproc executor (one pickle of (SchedulerOutput, rank 0's previous output), every rank
-runs, rank 0's output returned), through one `ray.put` and an actor call per rank.
+runs, rank 0's output returned; pipelined steps without the previous output), through one `ray.put` and an
+actor call per rank. Actor calls from one caller run in the order they were made.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ class RayExecutor:
 
     def bind(self, runner: Any) -> None:
         self._runner = runner
-        if not self._workers:
-            self.execute_model = runner.execute  # type: ignore[method-assign]  # tp 1: no hop
+        if not self._workers:  # tp 1: no hop
+            self.execute_model = runner.execute  # type: ignore[method-assign]
+            self.execute_pipelined = runner.execute_pipelined  # type: ignore[method-assign]
             return
         import ray
 
@@ -124,17 +126,29 @@ class RayExecutor:
                 raise RuntimeError(f"tensor-parallel rank {rank} (Ray actor) failed to build its shard: {exc}") from exc
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        import ray
-
-        self.check_health()
-        message = ray.put(encode_step(scheduler_output, self._previous))
-        self._pending = [w.execute.remote(message) for w in self._workers]
+        self._send(encode_step(scheduler_output, self._previous))
         try:
             output: ModelRunnerOutput = self._runner.execute(scheduler_output)
         except Exception as exc:
             raise self._failure(exc) from exc
         self._previous = output
         return output
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step on every rank; return rank 0's output of the step before (tp_worker.py NOTE 2)."""
+        self._send(encode_step(scheduler_output, None, pipelined=True))
+        try:
+            output: ModelRunnerOutput | None = self._runner.execute_pipelined(scheduler_output)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        return output
+
+    def _send(self, message: bytes) -> None:
+        import ray
+
+        self.check_health()
+        ref = ray.put(message)
+        self._pending = [w.execute.remote(ref) for w in self._workers]
 
     def check_health(self, wait_s: float = 0.0) -> None:
         """Raise WorkerDiedError if a rank's last step failed (a dead actor fails its calls)."""
@@ -164,8 +178,11 @@ class RayExecutor:
         if self._workers:
             import ray
 
-            # Every rank leaves the group at once (NCCL's teardown waits for all), then the actors go.
+            # Every rank leaves the group at once (NCCL's teardown waits for all, and for every CUDA graph
+            # holding its collectives: cuda_graphs.py NOTE 5), then the actors go.
             closing = [w.close.remote() for w in self._workers]
+            if self._runner is not None:
+                self._runner.release_cuda_graphs()
             destroy_tensor_parallel(timeout_s=10.0)
             with contextlib.suppress(Exception):
                 ray.get(closing, timeout=10)

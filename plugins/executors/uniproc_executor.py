@@ -21,9 +21,13 @@ class UniprocExecutor:
         self._runner = runner
         # The step is the runner's own method: no wrapper frame on the single-process hot path.
         self.execute_model = runner.execute  # type: ignore[method-assign]
+        self.execute_pipelined = runner.execute_pipelined  # type: ignore[method-assign]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner.execute(scheduler_output)  # type: ignore[no-any-return]  # replaced in bind
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self._runner.execute_pipelined(scheduler_output)  # type: ignore[no-any-return]  # replaced in bind
 
     def check_health(self) -> None:
         """The only rank is this process: alive by definition."""
