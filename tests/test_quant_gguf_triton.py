@@ -165,21 +165,22 @@ def test_selection_reasons() -> None:
 
 def test_compiles_for_sm90() -> None:
     """Every kernel variant through Triton's compiler for sm_90 (offline: no GPU): the dequantize kernel per type
-    (bf16 and fp16 out), the GEMV per type at M = 1 and 3, and at M = 8 for a 32-block and a K-quant type."""
+    (bf16, fp16 and fp32 out), the GEMV per type at M = 1 and 3, and at M = 8 for a 32-block and a K-quant type."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from pagedllm.plugins.quantization import gguf_triton as g\n"
-        "def comp(fn, cons, ptrs):\n"
+        "def comp(fn, cons, ptrs, fusion=True):\n"
         "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
         "           for a in fn.arg_names}\n"
         "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
         "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
-        "                   options={'num_warps': 4})\n"
+        "                   options={'num_warps': 4, 'enable_fp_fusion': fusion})\n"
         "for t, (qk, ts) in g.TRITON_TYPES.items():\n"
-        "    for dt in ('*bf16', '*fp16'):\n"
-        "        comp(g._gguf_dequant_kernel, dict(TYPE=t, QK=qk, TS=ts, BLOCK_N=16, BLOCK_K=256), {'out_ptr': dt})\n"
+        "    for dt in ('*bf16', '*fp16', '*fp32'):\n"
+        "        comp(g._gguf_dequant_kernel, dict(TYPE=t, QK=qk, TS=ts, BLOCK_N=16, BLOCK_K=256), {'out_ptr': dt},\n"
+        "             fusion=False)\n"
         "    for rows in (1, 3, 8) if t in (2, 14) else (1, 3):\n"
         "        bn, bk, _ = g.gemv_blocks(4096, rows)\n"
         "        comp(g._gguf_gemv_kernel, dict(TYPE=t, QK=qk, TS=ts, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk),\n"

@@ -177,8 +177,9 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     if checkpoint_quant and dense_fallback and not config.quantization.method and device.type != "cpu":
         # NOTE: a checkpoint its loader can also serve dense (a GGUF file) runs kept quantized on the CPU,
         # where its C kernels decode faster than the dense model and prefill as fast (docs/benchmarks.md), but
-        # dequantized elsewhere unless the config asks for its method: the GPU has no GGUF kernel yet (each
-        # call would dequantize). `quantization: none` asks for the dense model on the CPU too.
+        # dequantized elsewhere unless the config asks for its method: CUDA's Triton GGUF kernels are not yet
+        # measured against the dense bf16 model (docs/perf-notes.md §8 states when this default switches).
+        # `quantization: none` asks for the dense model on the CPU too.
         checkpoint_quant = None
     quant_name = config.quantization.method or checkpoint_quant or "none"
     quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"

@@ -38,6 +38,12 @@ the first) and a nibble byte shared with one neighbour, ~2 loads per weight wher
 ~0.3. Decode is then load-instruction bound, not DRAM bound (docs/perf-notes.md §8 predicts by how much);
 the block-wise variant is the next step once the H200 numbers exist.
 NOTE 2: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
+NOTE 3 (GEMV accumulators): each activation row keeps a [BLOCK_N, BLOCK_K] float32 accumulator, reduced across
+the tile once at the end; a tl.sum per step compiled to 112 shuffles per step. BLOCK_K halves from M = 3 on so
+eight rows fit: sm_90 cubins use 38 registers (Q4_0, M = 1) to 128 (Q6_K, M = 8), no spills.
+NOTE 4: the dequantize kernel is compiled without FMA contraction, so `d * q + m` (Q4_1, Q5_1) and the K-quants'
+`(d * s) * q - dmin * m` round as gguf-py's numpy does and the scratch / row lookups are its float32 values on
+the GPU too (the interpreter never contracts; the GEMV may, its sums are rounded anyway).
 """
 
 from __future__ import annotations
@@ -214,7 +220,8 @@ def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, k: int, dtype: torch.d
     block_n, block_k = 16, 256
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _gguf_dequant_kernel[grid](blocks, out, n, k, blocks.stride(0), out.stride(0),
-                               TYPE=ggml_type, QK=qk, TS=ts, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                               TYPE=ggml_type, QK=qk, TS=ts, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                               enable_fp_fusion=False)  # NOTE 4
     return out
 
 
