@@ -7,7 +7,8 @@ Stages (the JSON is rewritten after each, so a crash keeps the earlier ones):
      greedy tokens of tp=N against tp=1, 4 prompts x 32 tokens
   b  Llama-3.1-8B shape, bf16, dummy weights (the same weights at any tp), CUDA graphs: W1 (1024 in, 128 out)
      and W2 (128 in, 1024 out) throughput at `scale` of issue 5's request counts, W3 (1 x 128 in, 256 out)
-     ms per token, at tp=1 and tp=N
+     ms per token, at tp=1 and tp=N; `--async-scheduling off` runs tp=N with synchronous steps (the default,
+     `auto`, pipelines them on CUDA at any tp), `both` runs tp=N both ways
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def stage_a(tp: int, results: dict[str, Any], dtypes: list[str], eager: bool) ->
         print(f"a {dtype}: tp={tp} tokens equal to tp=1: {same}/{sum(len(x) for x in got[1])}", flush=True)
 
 
-def stage_b(tp: int, scale: float, results: dict[str, Any]) -> None:
+def stage_b(tp: int, scale: float, results: dict[str, Any], async_mode: str = "auto") -> None:
     from pagedllm import LLM, SamplingParams
 
     folder = tempfile.mkdtemp(prefix="llama8b-")
@@ -109,11 +110,13 @@ def stage_b(tp: int, scale: float, results: dict[str, Any]) -> None:
     w1 = [{"prompt_token_ids": rng.integers(1000, 120000, 1024).tolist()} for _ in range(n1)]
     w2 = [{"prompt_token_ids": rng.integers(1000, 120000, 128).tolist()} for _ in range(n2)]
     w3 = {"prompt_token_ids": rng.integers(1000, 120000, 128).tolist()}
-    for size in (1, tp):
-        key = f"tp{size}"
+    modes = {"auto": [None], "off": [False], "both": [True, False]}[async_mode]
+    for size, async_scheduling in [(1, None)] + [(tp, a) for a in modes]:
+        key = f"tp{size}" + ("" if async_scheduling is None else "_async" if async_scheduling else "_sync")
         t0 = time.perf_counter()
         llm = LLM(folder, load_format="dummy", dtype="bfloat16", tensor_parallel_size=size,
-                  max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+                  max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+                  **({} if async_scheduling is None else {"async_scheduling": async_scheduling}))
         res: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 1)}
         llm.generate(w2[:8], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
         for name, prompts, out_len in (("W1", w1, 128), ("W2", w2, 1024)):
@@ -141,6 +144,8 @@ def main() -> int:
     ap.add_argument("--stages", default="a,b")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--async-scheduling", choices=["auto", "off", "both"], default="auto",
+                    help="tp=N in stage b: engine default (pipelined on CUDA), synchronous, or both")
     args = ap.parse_args()
     results: dict[str, Any] = {"gpus": torch.cuda.device_count(), "tp": args.tp, "scale": args.scale,
                                "a": {}, "b": {}}
@@ -150,7 +155,7 @@ def main() -> int:
             if stage == "a":
                 stage_a(args.tp, results, args.dtypes.split(","), args.eager)
             else:
-                stage_b(args.tp, args.scale, results)
+                stage_b(args.tp, args.scale, results, args.async_scheduling)
         except Exception:
             results[f"{stage}_error"] = traceback.format_exc()
             print(results[f"{stage}_error"], flush=True)
