@@ -22,7 +22,6 @@ import sys
 from typing import Any
 
 import pytest
-
 from offline_compile import compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

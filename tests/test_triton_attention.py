@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from offline_compile import compile_offline
 
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.worker.input_prep import prepare_inputs
-
-from offline_compile import compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
