@@ -239,6 +239,32 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
     assert_same_greedy_up_to_near_tie(greedy_output(kept, prompt, 16), greedy_output(dense, prompt, 16))
 
 
+@pytest.mark.skipif(cpu_ops() is None, reason="no C compiler for the fused CPU ops")
+def test_cpu_decode_plan_is_bit_identical_to_the_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-token decode as pre-bound C calls (plugins/models/llama_cpu_decode.py) gives the module path's
+    tokens and logprobs bit for bit, and is what a kept-quantized Llama decode runs."""
+    from pagedllm.plugins.models.llama_model import LlamaModel
+
+    path = tmp_path / "tiny-llama-Q4_1.gguf"
+    write_uniform_gguf(path, "llama", Q.Q4_1)
+    prompt = [5, 70, 80, 90, 100, 3]
+
+    def run() -> tuple[Any, Any]:
+        engine = LLMEngine(EngineConfig(model=str(path)), plugin_manager=plugin_manager())
+        out = greedy_output(engine, prompt, 24)
+        backbone = engine.core.parts.model.model
+        engine.shutdown()
+        return out, backbone.__dict__.get("_cpu_plan")
+
+    planned, cached = run()
+    assert cached is not None and cached[1] is not None, "the decode plan was not built"
+    monkeypatch.setattr(LlamaModel, "_cpu_decode_plan", lambda self: None)
+    modules, _ = run()
+    assert list(planned.token_ids) == list(modules.token_ids)
+    for a, b in zip(planned.logprobs, modules.logprobs, strict=True):
+        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+
+
 def test_gguf_file_runs_kept_quantized_by_default_on_the_cpu(tmp_path: Path) -> None:
     """No `quantization` in the config: a GGUF file keeps its blocks on the CPU; `none` dequantizes at load."""
     path = tmp_path / "tiny.gguf"

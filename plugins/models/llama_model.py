@@ -198,11 +198,33 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if input_ids.shape[0] == 1 and hidden.device.type == "cpu":
+            plan = self._cpu_decode_plan()
+            out = plan.run(hidden, positions, attn_metadata, kv_caches) if plan is not None else None
+            if out is not None:
+                return out
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _cpu_decode_plan(self) -> Any:
+        """The one-token CPU decode as pre-bound C calls (llama_cpu_decode.py), or None where it does not apply.
+
+        Built on first use after the engine switched the C kernels on, and again if it switches them (NOTE 1
+        there); the per-step cost of asking is a dict lookup and an identity check.
+        """
+        ops = getattr(self.norm, "cpu_ops", None)
+        if ops is None:
+            return None
+        cached = self.__dict__.get("_cpu_plan")
+        if cached is None or cached[0] is not ops:
+            from pagedllm.plugins.models.llama_cpu_decode import CpuDecodePlan
+
+            cached = (ops, CpuDecodePlan.build(self, (LlamaDecoderLayer, LlamaAttention, LlamaMLP)))
+            self.__dict__["_cpu_plan"] = cached
+        return cached[1]
 
 
 class LlamaForCausalLM(nn.Module):
