@@ -92,3 +92,36 @@ def encode_step(
     """One pickle per step for all remote ranks (not one per rank); a pipelined step carries no `previous`."""
     message = (scheduler_output, None if pipelined else previous, pipelined)
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class Rank0Driver:
+    """Rank 0's half of a tensor-parallel step, shared by the executors: send the step to the remote ranks
+    (`_send`, the executor's transport), run rank 0's runner, and turn a failure into the executor's error
+    (`_failure`: most often a peer that died inside a collective)."""
+
+    _runner: Any
+    _previous: ModelRunnerOutput | None = None
+
+    def _send(self, message: bytes) -> None:
+        raise NotImplementedError
+
+    def _failure(self, exc: Exception) -> Exception:
+        return exc
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(encode_step(scheduler_output, self._previous))
+        try:
+            output: ModelRunnerOutput = self._runner.execute(scheduler_output)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        self._previous = output
+        return output
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step on every rank; return rank 0's output of the step before (NOTE 2)."""
+        self._send(encode_step(scheduler_output, None, pipelined=True))
+        try:
+            output: ModelRunnerOutput | None = self._runner.execute_pipelined(scheduler_output)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        return output

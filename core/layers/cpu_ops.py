@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-from pagedllm.layers.native_build import build_shared, compiler
-
-logger = logging.getLogger("pagedllm")
+from pagedllm.layers.native_build import load_native
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -124,19 +120,10 @@ class CpuOps:
 def cpu_ops() -> CpuOps | None:
     """The compiled ops, or None (then `unavailable_reason()` says why). Built and loaded once."""
     global _reason
-    if os.environ.get(_DISABLE_ENV, "1").lower() in ("0", "false", "off", "no"):
-        _reason = f"{_DISABLE_ENV}={os.environ[_DISABLE_ENV]}"
+    lib, _reason = load_native(SOURCE, FLAGS, _DISABLE_ENV, "torch's ops")
+    if lib is None:
         return None
-    cc = compiler()
-    if cc is None:
-        _reason = "no C compiler found ($CC, cc, gcc, clang)"
-        return None
-    try:
-        return CpuOps(ctypes.CDLL(str(build_shared(SOURCE, FLAGS, cc))))
-    except (OSError, RuntimeError) as e:
-        _reason = f"building {SOURCE.name} failed: {e}"
-        logger.warning("fused CPU ops unavailable (%s); using torch's", _reason)
-        return None
+    return CpuOps(lib)
 
 
 def unavailable_reason() -> str | None:

@@ -2,6 +2,7 @@
 
     build_shared(source, flags) -> Path of the .so (raises RuntimeError with the compiler's message)
     compiler()                  -> the C compiler to use, or None
+    load_native(source, flags, disable_env) -> (the loaded library, None) or (None, why not)
 
 Used by the native CPU kernels (core/layers/cpu_ops.c, plugins/quantization/gguf_cpu.c). The object goes to
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``)/native under a name hashed from the source, the flags,
@@ -12,7 +13,9 @@ starting together (tensor-parallel ranks, test workers) never load a half-writte
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -64,3 +67,22 @@ def build_shared(source: Path, flags: list[str], cc: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load_native(
+    source: Path, flags: list[str], disable_env: str, fallback: str
+) -> tuple[ctypes.CDLL | None, str | None]:
+    """Build (or reuse) and load `source`; (None, the reason) when $disable_env turns it off, no compiler is
+    found or the build or load fails -- the callers then run `fallback`, which a failed build logs."""
+    setting = os.environ.get(disable_env, "1")
+    if setting.lower() in ("0", "false", "off", "no"):
+        return None, f"{disable_env}={setting}"
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler found ($CC, cc, gcc, clang)"
+    try:
+        return ctypes.CDLL(str(build_shared(source, flags, cc))), None
+    except (OSError, RuntimeError) as e:
+        reason = f"building {source.name} failed: {e}"
+        logging.getLogger("pagedllm").warning("%s unavailable (%s); using %s", source.name, reason, fallback)
+        return None, reason

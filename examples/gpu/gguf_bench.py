@@ -26,10 +26,8 @@ import functools
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 if "--dry-run" in sys.argv:  # before triton is imported anywhere
@@ -37,6 +35,9 @@ if "--dry-run" in sys.argv:  # before triton is imported anywhere
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from w4_gemv_sweep import Timer  # noqa: E402  (CUDA-graph replays over weight copies past L2)
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SHAPES_SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -58,42 +59,6 @@ def random_blocks(name: str, n: int, k: int, device: str, seed: int) -> torch.Te
         d = (torch.rand(n, k // qk, 1, device=device, generator=g) * 0.01 + 1e-4).half()
         raw[..., off : off + 2] = d.view(torch.uint8)
     return raw.reshape(n, -1)
-
-
-class Timer:
-    def __init__(self, dry_run: bool) -> None:
-        self.dry_run = dry_run
-
-    def us_per_call(self, fns: list[Callable[[], Any]]) -> float:
-        """Mean µs of one call, over CUDA-graph replays of ~100 calls cycling through `fns` (one per copy)."""
-        if self.dry_run:  # the interpreter: one call, to prove the path runs (not a speed)
-            t0 = time.perf_counter()
-            fns[0]()
-            return (time.perf_counter() - t0) * 1e6
-        for f in fns:  # compile and allocate outside the capture
-            f()
-        torch.cuda.synchronize()
-        rounds = max(1, math.ceil(100 / len(fns)))
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for _ in range(rounds):
-                for f in fns:
-                    f()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / (rounds * len(fns)))
-        del graph
-        return statistics.median(times)
 
 
 def exactness(device: str) -> dict[str, Any]:

@@ -37,8 +37,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
-from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.tp_worker import TPWorker, encode_step
+from pagedllm.engine.messages import ModelRunnerOutput
+from pagedllm.executor.tp_worker import Rank0Driver, TPWorker
 from pagedllm.protocols.executor import ExecutorContext, WorkerDiedError
 
 logger = logging.getLogger("pagedllm")
@@ -47,7 +47,7 @@ _POLL_S = 1.0  # how often an idle worker checks that its parent is alive
 _READY_TIMEOUT_S = 600.0  # building a large shard (load + CUDA graph capture) can take minutes
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Rank0Driver):
     def __init__(self, ctx: ExecutorContext) -> None:
         self.config = ctx.config
         self.tp_size = ctx.tp_size
@@ -92,24 +92,6 @@ class MultiprocExecutor:
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to build its shard:\n{detail}")
             waiting.discard(rank)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(encode_step(scheduler_output, self._previous))
-        try:
-            output: ModelRunnerOutput = self._runner.execute(scheduler_output)
-        except Exception as exc:
-            raise self._failure(exc) from exc
-        self._previous = output
-        return output
-
-    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Launch this step on every rank; return rank 0's output of the step before (tp_worker.py NOTE 2)."""
-        self._send(encode_step(scheduler_output, None, pipelined=True))
-        try:
-            output: ModelRunnerOutput | None = self._runner.execute_pipelined(scheduler_output)
-        except Exception as exc:
-            raise self._failure(exc) from exc
-        return output
 
     def _send(self, message: bytes) -> None:
         self.check_health()

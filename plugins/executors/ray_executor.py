@@ -18,8 +18,8 @@ import logging
 from typing import Any
 
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
-from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.tp_worker import TPWorker, encode_step
+from pagedllm.engine.messages import ModelRunnerOutput
+from pagedllm.executor.tp_worker import Rank0Driver, TPWorker
 from pagedllm.plugins.executors.ray import RayOptions
 from pagedllm.protocols.executor import ExecutorContext, WorkerDiedError
 
@@ -58,7 +58,7 @@ class TPWorkerActor:
         self.worker.close()
 
 
-class RayExecutor:
+class RayExecutor(Rank0Driver):
     def __init__(self, ctx: ExecutorContext) -> None:
         self.config = ctx.config
         self.tp_size = ctx.tp_size
@@ -124,24 +124,6 @@ class RayExecutor:
                 ray.get(ref)
             except Exception as exc:
                 raise RuntimeError(f"tensor-parallel rank {rank} (Ray actor) failed to build its shard: {exc}") from exc
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(encode_step(scheduler_output, self._previous))
-        try:
-            output: ModelRunnerOutput = self._runner.execute(scheduler_output)
-        except Exception as exc:
-            raise self._failure(exc) from exc
-        self._previous = output
-        return output
-
-    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Launch this step on every rank; return rank 0's output of the step before (tp_worker.py NOTE 2)."""
-        self._send(encode_step(scheduler_output, None, pipelined=True))
-        try:
-            output: ModelRunnerOutput | None = self._runner.execute_pipelined(scheduler_output)
-        except Exception as exc:
-            raise self._failure(exc) from exc
-        return output
 
     def _send(self, message: bytes) -> None:
         import ray
