@@ -9,6 +9,10 @@ Hybrid models (several KV-cache groups, e.g. sliding-window and full-attention l
 `KVGroupMetadata`: the backend's metadata built once per group, each from that group's block table and slot
 mapping. A layer that reads a KV-cache group declares `kv_group_id` (the engine sets it) and picks its entry;
 `pagedllm.layers.attention.Attention` does this, so models need no change.
+
+CUDA graphs: `CUDAGraphAttentionBackend` lists the optional members a backend declares to have its decode steps
+captured (worker/cuda_graphs.py), including the per-replay planning hook for kernels that read host-planned
+state.
 """
 
 from __future__ import annotations
@@ -108,4 +112,36 @@ class AttentionBackend(Protocol):
     @staticmethod
     def make_impl(layer: AttentionLayerConfig) -> AttentionImpl:
         """Make the per-layer kernel object."""
+        ...
+
+
+class CUDAGraphAttentionBackend(Protocol):
+    """Optional members of a backend whose decode steps replay inside the runner's CUDA graphs.
+
+    `supports_cuda_graphs = True` alone suits a backend whose metadata holds only device tensors derived on the
+    device from the step buffers (triton): the captured kernels read the buffers, so a replay needs nothing.
+
+    A backend whose kernels read *host-planned* state (FlashInfer's work schedule, page-table CSR) adds the pair
+    below. The runner then builds each graph's metadata with `build_graph_metadata` (instead of
+    `build_metadata`) on the padded dummy step, keeps that object for the graph's life, and calls
+    `prepare_graph_replay(metadata, common)` before every replay with the step's padded common metadata
+    (`common.num_reqs` is the graph's size; padding requests are 1-token decodes of the null block). The hook
+    does host work and enqueues copies into the fixed buffers the captured kernels read -- no device->host
+    sync. With several KV-cache groups both are called once per group, with that group's metadata.
+
+    `cuda_graph_max_query_len` bounds the uniform multi-token steps (speculative verification) that get graphs;
+    absent, every length the runner asks for is captured; 1 means decode graphs only.
+    """
+
+    supports_cuda_graphs: ClassVar[bool]
+    cuda_graph_max_query_len: ClassVar[int]
+
+    @staticmethod
+    def build_graph_metadata(common: CommonAttentionMetadata) -> Any:
+        """At capture: the metadata a graph of `common.num_reqs` requests is captured with (and kept)."""
+        ...
+
+    @staticmethod
+    def prepare_graph_replay(metadata: Any, common: CommonAttentionMetadata) -> None:
+        """Before each replay: re-plan `metadata` (what build_graph_metadata returned) for this step."""
         ...

@@ -17,7 +17,8 @@ rows are harmless by construction:
 so each writes garbage K/V into the null block -- which no real request reads, block 0 is never allocated
 -- and attends over that one slot: finite values in rows nobody samples. A hybrid model's extra KV-cache
 groups get the same padding in their own block tables and slot mappings. Only backends that declare
-`supports_cuda_graphs` (their metadata holds no host-planned tensors) are captured; others run eagerly.
+`supports_cuda_graphs` are captured; others run eagerly. A backend whose kernels read host-planned state
+re-plans it before each replay (NOTE 6).
 
 Uniform multi-token steps (NOTE 3). Speculative decoding verifies k drafts per request: every request of such
 a step schedules q = k + 1 tokens. Those steps get graphs of their own, keyed by (padded size, q), captured
@@ -39,6 +40,16 @@ since NCCL 2.26 destroying a communicator waits until every graph that reference
 "keep polling until all graphs referencing us die" loop of commDestroySync). An engine that left its group
 with its graphs alive hung there on every rank; with a timeout around the teardown, the process later
 aborted at exit ("terminate called without an active exception"). `release` destroys them first.
+
+Per-replay planning (NOTE 6). Some kernels read a work schedule the host computes from the step's lengths
+(FlashInfer's plan(): page-table CSR and split-KV tiles, written into fixed buffers the captured kernels read).
+Such a backend declares `build_graph_metadata` / `prepare_graph_replay` (protocols.attention
+.CUDAGraphAttentionBackend): each graph is captured with the metadata build_graph_metadata made for the padded
+dummy step and keeps it; `run` calls prepare_graph_replay(that metadata, the step's padded common metadata)
+after loading the buffers and before the replay, so its copies are stream-ordered ahead of the kernels. The
+hook is host work plus non-blocking copies; padding requests plan as the 1-token null-block decodes of NOTE 2.
+Backends without the hook replay exactly as before. `cuda_graph_max_query_len` (1 for such a backend whose
+multi-token plan is not graph-safe) keeps NOTE 3's q > 1 graphs away from it.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.protocols.attention import CommonAttentionMetadata
+from pagedllm.protocols.attention import CommonAttentionMetadata, KVGroupMetadata
 from pagedllm.worker.input_prep import GroupTable, HostInputs, StepInputs, build_attn_metadata
 
 logger = logging.getLogger("pagedllm")
@@ -275,26 +286,31 @@ class DecodeGraphs:
         self.model, self.backend, self.kv_caches, self.buffers = model, backend, kv_caches, buffers
         self.sizes: list[int] = []  # decode (q = 1) sizes
         self.sizes_by_query_len: dict[int, list[int]] = {}
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, q) -> (graph, its output, the attention metadata it was captured with: NOTE 6 re-plans it)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
         self._pool: Any = None
+        self._build_graph_metadata: Any = getattr(backend, "build_graph_metadata", None)
+        self._prepare_replay: Any = getattr(backend, "prepare_graph_replay", None)
 
     def capture(self, sizes: list[int], block_sizes: list[int], query_lens: tuple[int, ...] = ()) -> None:
         """Warm up and capture each size, largest first, in one shared pool (`block_sizes`: one per group);
         then the same for each q in `query_lens` (sizes whose q-token steps fit the buffers)."""
         self._pool = torch.cuda.graph_pool_handle()
-        lens = [1] + sorted({q for q in query_lens if 1 < q <= min(block_sizes)})
+        # q <= block_size: padding requests stay within the null block; and within the backend's bound.
+        max_q = min(min(block_sizes), getattr(self.backend, "cuda_graph_max_query_len", min(block_sizes)))
+        lens = [1] + sorted({q for q in query_lens if 1 < q <= max_q})
         for q in lens:
             fitting = sorted(s for s in sizes if s <= self.buffers.max_reqs and s * q <= self.buffers.max_tokens)
             for size in reversed(fitting):
                 inputs = self.buffers.load(_dummy_uniform(size, q, block_sizes), query_len=q)
-                metadata = build_attn_metadata(self.backend, inputs)
+                metadata = self._capture_metadata(inputs)
                 # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
                 self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
                     hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-                self._graphs[(size, q)] = (graph, hidden)
+                self._graphs[(size, q)] = (graph, hidden, metadata)
             self.sizes_by_query_len[q] = fitting
         torch.cuda.synchronize()
         self.sizes = self.sizes_by_query_len[1]
@@ -304,7 +320,7 @@ class DecodeGraphs:
         """Destroy every captured graph and drop the pool (NOTE 5); the object is empty afterwards."""
         if self._graphs:
             torch.cuda.synchronize()  # no replay still running
-        for graph, _ in self._graphs.values():
+        for graph, _, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
         self.sizes, self.sizes_by_query_len, self._pool = [], {}, None
@@ -323,9 +339,25 @@ class DecodeGraphs:
         if size is None or not self.buffers.fits(host, size, q):
             return None
         inputs = self.buffers.load(host, pad_to=size, query_len=q, fill=fill)
-        graph, hidden = self._graphs[(size, q)]
+        graph, hidden, metadata = self._graphs[(size, q)]
+        if self._prepare_replay is not None:  # NOTE 6: host-side re-plan, copies queued ahead of the replay
+            if isinstance(metadata, KVGroupMetadata):
+                for group_metadata, common in zip(metadata.groups, inputs.group_attn, strict=True):
+                    self._prepare_replay(group_metadata, common)
+            else:
+                self._prepare_replay(metadata, inputs.attn)
         graph.replay()
         return inputs, hidden
+
+    def _capture_metadata(self, inputs: StepInputs) -> Any:
+        """The attention metadata a graph is captured with: the backend's graph metadata (NOTE 6), else the
+        ordinary per-step metadata."""
+        build = self._build_graph_metadata
+        if build is None:
+            return build_attn_metadata(self.backend, inputs)
+        if not inputs.extra_groups:
+            return build(inputs.attn)
+        return KVGroupMetadata([build(common) for common in inputs.group_attn])
 
 
 def _dummy_uniform(num_reqs: int, q: int, block_sizes: list[int]) -> HostInputs:

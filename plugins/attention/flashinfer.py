@@ -5,7 +5,15 @@ backend is unavailable (package missing, no CUDA, capability, dtype, head size) 
 
 Rank (vLLM's order, vllm/platforms/cuda.py): on Blackwell (compute capability 10.x) FlashInfer comes first;
 on Ampere/Hopper FlashAttention outranks it (the `flash_attn` plugin's priority_for); both sit above triton
--- except when the engine will capture decode CUDA graphs, which neither does yet: then triton leads.
+-- except when the engine will capture decode CUDA graphs: then triton leads (EAGER_PRIORITY).
+
+CUDA graphs: the backend now replays its pure-decode steps inside the runner's captured graphs, re-planning
+FlashInfer's graph-mode decode wrappers before each replay (flashinfer_backend.py NOTE 3). That path is
+verified on the CPU only, against a stand-in for the wrapper (tests/test_flashinfer_graphs.py); the rank under
+graphs stays below triton until examples/gpu/flashinfer_graph_check.py has shown on a GPU that greedy tokens
+match eager FlashInfer and triton and that graphs make decode faster -- then priority_for returns PRIORITY
+(and tests/test_attention_selection.py's graph-engine expectation follows). Asked for by name
+(`attention.backend: flashinfer`) it captures graphs already.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ def check(ctx: Any) -> list[str]:
 
 
 def priority_for(ctx: Any) -> int:
-    """PRIORITY, except below triton (50) when the engine captures decode CUDA graphs: this backend decodes
-    eagerly until the runner re-plans FlashInfer before each replay (flashinfer_backend.py NOTE 3)."""
+    """PRIORITY, except below triton (50) when the engine captures decode CUDA graphs: the graph path
+    (flashinfer_backend.py NOTE 3) awaits its first GPU run (see the module docstring)."""
     return EAGER_PRIORITY if ctx.cuda_graphs else PRIORITY
 
 
@@ -58,6 +66,6 @@ def priority_for(ctx: Any) -> int:
 def register_attention_backends(register: Any) -> None:
     register(
         "flashinfer", _load, priority=PRIORITY, requires=("flashinfer",), check=check,
-        description="FlashInfer paged decode (tensor cores) + prefill wrappers, planned once per step",
+        description="FlashInfer paged decode (tensor cores, in CUDA graphs) + prefill wrappers, planned once per step",
         priority_for=priority_for,
     )
