@@ -8,6 +8,14 @@ in `pagedllm plugins` and in the engine's start-up report):
     fa3      flash-attn-3 (flash_attn_interface)      sm 9.x             any
     fa2      flash-attn (flash_attn)                  sm 8.0+            a multiple of 256 (upstream check)
 
+fa4 4.0.0b36's own limits (flash_attn/cute/interface.py), which check() turns into reasons: head size 8..256
+on 9.x but at most 128 or exactly 256 on 10.x/11.x; fp16/bf16 (its fp8 needs an fp8 query, Blackwell only);
+page_table int32 (the engine's block table is); paged KV only on 9.x-11.x (it asserts against 8.x and 12.x,
+hence the variant's range); any page size (page == 128, its tile, loads pages by TMA; others by cp.async); no
+batch limit (above 256 requests a batch-lookup aid is built: another kernel variant). Not refused, but
+slower: fa4 has no split-KV on 9.x, so a decode step with few requests runs num_kv_heads x requests CTAs
+over the whole context (W3-style single-request decode: 8 CTAs on 132 SMs).
+
 On Hopper fa3 is preferred when both it and fa4 are installed (the mature kernel; fa4 is still beta on
 sm 9.x); on Blackwell only fa4 runs. PyPI has only flash-attn's source, so fa2/fa3 exist only where users
 built them. Detection reads installed files and metadata only -- importing flash_attn.cute costs 8-9 s and
@@ -100,6 +108,11 @@ def _rejects(variant: Variant, ctx: Any) -> list[str]:
         reasons.append(f"compute capability {cc} outside {variant.min_cc[0]}.x-{variant.max_major}.x")
     if ctx.block_size % variant.page_multiple:
         reasons.append(f"block size {ctx.block_size} is not a multiple of {variant.page_multiple}")
+    if variant.name == "fa4" and cc is not None and cc[0] in (10, 11) and 128 < ctx.head_size != 256:
+        # flash-attn-4's _validate_head_dims: Blackwell runs 8..128 and 256 (192 only as DeepSeek's 192/128
+        # K/V pair, which one head size cannot express); Hopper runs 8..256, the shared check below.
+        reasons.append(f"head size {ctx.head_size} not supported by fa4 on compute capability {cc[0]}.x "
+                       "(at most 128, or 256)")
     return reasons
 
 

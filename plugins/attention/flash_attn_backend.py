@@ -7,8 +7,10 @@ whole mixed batch (decodes and prefill chunks alike): queries by cu_seqlens_q = 
 lengths by seqused_k = seq_lens (fa2: cu_seqlens_k, their prefix sum), causal bottom-right aligned.
 
     fa4  flash_attn.cute.interface._flash_attn_fwd(q, k, v, cu_seqlens_q=, seqused_k=, max_seqlen_q=,
-         page_table=, softmax_scale=, causal=True, softcap=, window_size_left=, out=) -- the call the H200
-         anchor ran (fa4_test.py: page 16 and 128, 1.1e-3..2.3e-3 from float32; prefill 382-445 TFLOP/s).
+         page_table=, softmax_scale=, causal=True, softcap=, window_size_left=, num_splits=1, out=) -- the
+         call the H200 anchor ran (fa4_test.py: page 16 and 128, 1.1e-3..2.3e-3 from float32; prefill
+         382-445 TFLOP/s), keywords checked against 4.0.0b36's signature. It writes `out` in place and returns
+         (out, lse, ...); lse stays None (not asked for).
     fa3  flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=,
          cu_seqlens_q=, max_seqlen_q=, softmax_scale=, causal=True, window_size=, softcap=)
     fa2  flash_attn.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -17,10 +19,20 @@ lengths by seqused_k = seq_lens (fa2: cu_seqlens_k, their prefix sum), causal bo
 Windows: FlashAttention's left window counts the visible keys left of the query, so a window W is W - 1.
 Metadata is device tensors plus two host ints (the step's longest query and context), so no host sync.
 
-What was verified, and what awaits the GPU: only the fa4 call, standalone, in the anchor. This class inside
-the engine, fa3 and fa2 (neither installed on the GPU machine), soft-cap and windows await a GPU run.
-CUDA graphs are not declared (FA4's split heuristic reads max_seqlen_k, a host int a graph would freeze);
-decode runs eagerly until verified. FP8 KV is refused by the plugin's check.
+What was verified, and what awaits the GPU: the fa4 call ran standalone in the anchor; this class's fa4 call
+compiled for sm_90a on a CPU (flash-attn-4 4.0.0b36 in torch fake-tensor mode, CUTE_DSL_ARCH=sm_90a: mixed,
+decode, and window + soft-cap batches; bf16, page 16, 32/8 and 12/4 heads of 128 and 64), and
+tests/test_flash_attn_fa4.py checks its arguments against FA4's documented meaning. Its outputs inside the
+engine await a GPU run (examples/gpu/attn_backends_check.py --backends flash_attn); fa3 and fa2 are not
+installed on the GPU machine. Host cost: fa4's Python wrapper runs per layer per step (~0.1-0.2 ms before the
+launch; a soft-cap adds a source hash of a fresh score_mod closure per call), which an eager decode pays.
+CUDA graphs are not declared (not tried: fa4 plans on the host -- max_seqlen_q picks the kernel variant --
+and a graph would freeze that plan); decode runs eagerly. FP8 KV is refused by the plugin's check.
+Start-up costs are reported: the import ("flash_attn: using fa4 (...), imported in N s", INFO) and each new
+fa4 kernel variant -- a CuTe DSL compile on the host, 3-6 s, seen as fa4's JIT cache growing during a call --
+logged at INFO and kept in COMPILES (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED, set here, keeps compiled kernels
+on disk for later processes). Each layer object's first forward is also timed with a device sync
+(`first_call_s`).
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ class FlashAttnImpl:
         self.window_left = layer.sliding_window - 1 if layer.sliding_window else None
         self.soft_cap = layer.logits_soft_cap
         self._timed = False
+        self.first_call_s: float | None = None  # the first forward's attention call, compile included
 
     def forward(
         self,
@@ -73,13 +86,14 @@ class FlashAttnImpl:
         num_tokens = common.num_actual_tokens
         reshape_and_cache(key[:num_tokens], value[:num_tokens], kv_cache, common.slot_mapping)
         out = torch.zeros_like(query) if query.shape[0] > num_tokens else torch.empty_like(query)
-        if not self._timed:  # first call compiles (fa4: CuTe DSL JIT, 3-6 s per shape): say so once
+        if not self._timed:  # the layer's first call, synced and timed (fa4: includes the first compile)
             torch.cuda.synchronize(query.device)
             t0 = time.perf_counter()
             self._attend(query[:num_tokens], kv_cache, out[:num_tokens], metadata)
             torch.cuda.synchronize(query.device)
             self._timed = True
-            logger.info("flash_attn %s: first call took %.1f s", self.variant.name, time.perf_counter() - t0)
+            self.first_call_s = time.perf_counter() - t0
+            logger.debug("flash_attn %s: first call took %.2f s", self.variant.name, self.first_call_s)
         else:
             self._attend(query[:num_tokens], kv_cache, out[:num_tokens], metadata)
         return out
@@ -95,10 +109,19 @@ class FlashAttnImpl:
         table = common.block_table[:reqs]
         name = self.variant.name
         if name == "fa4":
-            # Exactly the anchor's keywords (fa4_test.py), plus softcap / window_size_left.
+            known = _compiled_count(self.fn)
+            t0 = time.perf_counter()
+            # The anchor's keywords (fa4_test.py), plus softcap / window_size_left. num_splits=1: 4.0.0b36
+            # asserts "SplitKV not supported on SM 9.0", and its heuristic (num_splits=0) picks > 1 for
+            # small decode batches. max_seqlen_q (a host int) picks the one-M-block kernel for decode steps.
             self.fn(q, k_cache, v_cache, cu_seqlens_q=qsl, seqused_k=seq_lens, max_seqlen_q=common.max_query_len,
                     page_table=table, softmax_scale=self.scale, causal=True, softcap=self.soft_cap,
-                    window_size_left=self.window_left, out=out)
+                    window_size_left=self.window_left, num_splits=1, out=out)
+            if _compiled_count(self.fn) > known:  # a new kernel variant, compiled (or read from disk) on the host
+                seconds = time.perf_counter() - t0
+                COMPILES.append((f"max_query_len={common.max_query_len} requests={reqs}", seconds))
+                logger.info("flash_attn fa4: new kernel variant for max_query_len=%d, %d requests: %.1f s "
+                            "(compile or disk cache)", common.max_query_len, reqs, seconds)
             return
         window = (self.window_left if self.window_left is not None else -1, -1)
         if name == "fa3":
@@ -110,6 +133,15 @@ class FlashAttnImpl:
                           softmax_scale=self.scale, causal=True, window_size=window,
                           softcap=self.soft_cap or 0.0, block_table=table)
         out.copy_(res[0] if isinstance(res, tuple) else res)
+
+
+# Every fa4 kernel variant this process compiled or loaded: (the step that needed it, host seconds).
+COMPILES: list[tuple[str, float]] = []
+
+
+def _compiled_count(fn: Any) -> int:
+    """How many kernel variants fa4's in-memory JIT cache holds (`_flash_attn_fwd.compile_cache.cache`)."""
+    return len(getattr(getattr(fn, "compile_cache", None), "cache", ()))
 
 
 def _function(variant: registration.Variant) -> Any:
