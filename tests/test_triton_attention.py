@@ -45,6 +45,12 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
     "mqa_head24_page16": ([0, 20], [12, 3], {"heads": 8, "kv_heads": 1, "head": 24, "block_size": 16}, 1e-5),
     # a long chunk: several query blocks in one request, keys spanning several tiles
     "long_chunk": ([11, 0], [1, 40], {"heads": 2, "kv_heads": 2}, 1e-5),
+    # >= 128 new tokens per request: the PREFILL entry (128 rows, reversed blocks, K as rows), a decode beside
+    "prefill_rule": ([9, 0, 5], [1, 250, 140], {}, 1e-5),
+    # the same batch through PREFILL's other layouts: one head per program, K gathered transposed, in order
+    "prefill_per_head_window_fp16": ([9, 0, 5], [1, 250, 140], {
+        "window": 37, "dtype": "float16", "prefill": {"pack_gqa": False, "k_rows": False, "reverse": False}}, 5e-3),
+    "prefill_soft_cap": ([0, 7], [200, 90], {"soft_cap": 2.0, "prefill": {"k_rows": False}}, 1e-5),
 }
 
 
@@ -132,7 +138,12 @@ def _run_both(
     soft_cap: float | None = None,
     segments: int | None = None,
     seed: int = 0,
+    prefill: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both backends on one random batch; `prefill` overrides fields of triton_tuning.PREFILL for the call."""
+    from dataclasses import replace
+
+    from pagedllm.plugins.attention import triton_tuning
     from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
     from pagedllm.plugins.attention.triton_backend import TritonBackend
 
@@ -153,7 +164,12 @@ def _run_both(
     ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
     md = TritonBackend.build_metadata(common)
     md.num_segments = segments
-    got = TritonBackend.make_impl(layer).forward(q, k, v, cache, md)
+    default = triton_tuning.PREFILL
+    triton_tuning.PREFILL = replace(default, **(prefill or {}))
+    try:
+        got = TritonBackend.make_impl(layer).forward(q, k, v, cache, md)
+    finally:
+        triton_tuning.PREFILL = default
     return got, ref, cache, ref_cache
 
 
@@ -178,6 +194,17 @@ def test_split_policy() -> None:
     assert choose_segments(8, 8, 132) == 8  # long-context small batches still split
     assert choose_segments(1, 8, 132) == 32  # one request: the most segments
     assert choose_segments(256, 8, 132) == 1
+
+
+def test_config_rule() -> None:
+    """Launch configurations by new tokens per request (triton_tuning's table)."""
+    from pagedllm.plugins.attention.triton_tuning import DECODE, MIXED, PREFILL, choose_config
+
+    assert choose_config(8 * 2048, 8, 1) is PREFILL
+    assert choose_config(391, 3, 1) is PREFILL  # the prefill_rule case above
+    assert choose_config(4 * 2048 + 256, 4 + 256, 1) is MIXED  # prefills beside many decodes
+    assert choose_config(64, 64, 1) is DECODE and choose_config(3 * 64, 64, 1) is DECODE  # decode, spec k = 2
+    assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 
 
 def _padding_case() -> dict[str, bool]:
@@ -297,7 +324,8 @@ def _main() -> None:
 
 
 def test_cascade_kernels_compile_for_sm90() -> None:
-    """The attention kernels with and without the cascade, through Triton's compiler for sm_90 (offline)."""
+    """The attention kernels with and without the cascade, and the PREFILL configuration (8 warps, a deep
+    pipeline: its buffers must fit one SM's 227 KB of shared memory), through Triton's sm_90 compiler offline."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
@@ -312,17 +340,26 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "        if a.endswith('_ptr'): return '*i32'\n"
         "        return 'fp32' if a in floats else 'i32'\n"
         "    return {a: one(a) for a in fn.arg_names}\n"
-        "def build(fn, cons, bf16):\n"
+        "def build(fn, cons, bf16, warps=4, stages=3):\n"
         "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
-        "    triton.compile(ASTSource(fn=fn, signature=sig_of(fn, cons, bf16), constexprs=keys),\n"
-        "                   target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
+        "    # pointers and strides 16-divisible, as the launcher specialises them (vectorised copies)\n"
+        "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
+        "             if a.endswith('_ptr') or a.startswith('stride')}\n"
+        "    return triton.compile(ASTSource(fn=fn, signature=sig_of(fn, cons, bf16), constexprs=keys, attrs=attrs),\n"
+        "                          target=GPUTarget('cuda', 90, 32), options={'num_warps': warps, 'num_stages': stages})\n"
         "base = dict(NUM_HEADS=32, G=4, HEAD=128, HEAD_PAD=128, BLOCK_SIZE=16, USE_SOFTCAP=False, KV_FP8=False)\n"
+        "plain = dict(REVERSE=False, PACK_GQA=True, K_ROWS=False)\n"
         "for split, casc in ((False, False), (False, True), (True, True)):\n"
         "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
-        "          SPLIT=split, CASCADE=casc), {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
+        "          SPLIT=split, CASCADE=casc, **plain), {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
         "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=8),\n"
         "          {'out_ptr'})\n"
         "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
+        "from pagedllm.plugins.attention.triton_tuning import PREFILL as P\n"
+        "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=P.rows // 4, BLOCK_M=P.rows, TILE_N=P.tile_n,\n"
+        "          USE_WINDOW=False, SPLIT=False, CASCADE=False, REVERSE=P.reverse, PACK_GQA=P.pack_gqa,\n"
+        "          K_ROWS=P.k_rows), {'q_ptr', 'cache_ptr', 'out_ptr'}, P.num_warps, P.num_stages)\n"
+        "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
         "print('ok')\n"
     )
     compile_offline(code)

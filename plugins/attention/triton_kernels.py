@@ -16,6 +16,12 @@ Unified kernel, one program per (query block, KV head [, KV segment]):
         ctx + j,   ctx = seq_len - q_len   (tokens cached before this step: prefix hits, earlier chunks)
     and sees key p when  p <= ctx + j  and, with a window W,  p > ctx + j - W.
 
+Launch configuration (rows, tile, warps, stages and the switches below) comes from the table in
+triton_tuning.py, chosen by new tokens per request. Switches (constexpr): REVERSE maps program i to query
+block n - 1 - i, so each request's longest causal blocks start first and the grid ends on short ones;
+PACK_GQA=False gives each program BLOCK_M tokens of one query head (grid axis 1 = query heads) instead of
+BLOCK_Q tokens x G heads; K_ROWS loads K as [TILE_N, HEAD] rows and transposes it in the dot.
+
 Keys are read TILE_N at a time; each key's physical block comes from the block table, so TILE_N need not
 equal the page size. Softmax is online (running max m, running sum l) in float32, scores in log2 units
 (exp2); the accumulator is float32; P is cast to the cache dtype for the second dot (as FlashAttention
@@ -37,9 +43,13 @@ Long-context decode batches have too few (request, KV head) programs to fill 132
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.plugins.attention.triton_tuning import AttentionConfig, choose_config
 
 # The shared-prefix length a cascade step uses is rounded down to this many keys, so that the prefix kernel's
 # and the suffix kernel's tiles (TILE_N of 16, 32 or 64) both end exactly at it.
@@ -141,7 +151,7 @@ def _attend_tile(
     q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
     row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, EVEN_D: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     """One TILE_N-key step of the online softmax (scores in log2 units); returns the new (acc, m, l)."""
     key_pos = tile * TILE_N + offs_n
@@ -152,29 +162,45 @@ def _attend_tile(
         key_ok = offs_n >= 0  # all true: the tile lies inside seq_len
         blk = tl.load(bt_row + key_pos // BLOCK_SIZE)
     kv_off = blk.to(tl.int64) * stride_c_blk + (key_pos % BLOCK_SIZE) * stride_c_slot
-    kt = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(k_base + stride_c_kv + kv_off[:, None] + offs_d[None, :],
-                mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    # K as the dot's [HEAD, TILE_N] operand: either gathered transposed, or as [TILE_N, HEAD] rows (each key's
+    # HEAD contiguous elements, like V) and transposed in shared memory by tl.trans (K_ROWS).
+    if K_ROWS:
+        k_ptrs = k_base + kv_off[:, None] + offs_d[None, :]
+    else:
+        k_ptrs = k_base + kv_off[None, :] + offs_d[:, None]
+    v_ptrs = k_base + stride_c_kv + kv_off[:, None] + offs_d[None, :]
+    if MASKED or not EVEN_D:
+        if K_ROWS:
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    else:  # a full tile of a power-of-two head: no predicates on the copies
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     if KV_FP8:  # widen to the query dtype; the scales are applied outside (see the top of this file)
-        kt = kt.to(q.dtype)
+        k = k.to(q.dtype)
         v = v.to(q.dtype)
-    s = tl.dot(q, kt)
+    s = tl.dot(q, tl.trans(k)) if K_ROWS else tl.dot(q, k)
     if USE_SOFTCAP:
         # cap * tanh(x / cap) in natural units (tanh via exp: not every Triton has tl tanh), then log2 units.
         s = s * (qk_scale * 0.6931471805599453)
         s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
         s = s * 1.4426950408889634
-    else:
-        s = s * qk_scale
     if MASKED:
         visible = key_ok[None, :] & (key_pos[None, :] <= key_limit[:, None]) & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > key_limit[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # NOTE: without a soft-cap the raw scores stay unscaled: the row max is scaled once per row (the scale is
+    # positive) and exp2's argument becomes one FMA per score, s * qk_scale - m, not a multiply and a subtract.
+    if USE_SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2() gives 0, not NaN.
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s - m_safe[:, None]) if USE_SOFTCAP else tl.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -195,10 +221,15 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
-    CASCADE: tl.constexpr = False,
+    CASCADE: tl.constexpr = False, REVERSE: tl.constexpr = False, PACK_GQA: tl.constexpr = True,
+    K_ROWS: tl.constexpr = False,
 ):
     qblock = tl.program_id(0)
+    if REVERSE:  # triton_tuning NOTE 2: each request's longest causal query blocks start first
+        qblock = tl.num_programs(0) - 1 - qblock
     kv_head = tl.program_id(1)
+    if not PACK_GQA:  # program axis 1 is the query head; its rows are BLOCK_Q = BLOCK_M tokens of that head
+        kv_head = tl.program_id(1) // G
     segment = tl.program_id(2)
 
     seq = _find_seq(qsl_ptr, qblock, num_seqs, BLOCK_Q)
@@ -212,8 +243,12 @@ def _unified_attention_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    q_pos = local_block * BLOCK_Q + offs_m // G  # position within this step's queries
-    head = kv_head * G + offs_m % G
+    if PACK_GQA:
+        q_pos = local_block * BLOCK_Q + offs_m // G  # position within this step's queries
+        head = kv_head * G + offs_m % G
+    else:
+        q_pos = local_block * BLOCK_Q + offs_m
+        head = tl.full([BLOCK_M], 0, tl.int32) + tl.program_id(1)
     row_ok = q_pos < q_len
     d_ok = offs_d < HEAD
     q = tl.load(
@@ -255,13 +290,13 @@ def _unified_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
             row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
-            BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP, KV_FP8,
+            BLOCK_SIZE, TILE_N, False, USE_WINDOW, USE_SOFTCAP, KV_FP8, HEAD == HEAD_PAD, K_ROWS,
         )
     for tile in range(full_hi, tile_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
             row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
-            BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP, KV_FP8,
+            BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP, KV_FP8, HEAD == HEAD_PAD, K_ROWS,
         )
 
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -330,7 +365,7 @@ def _prefix_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, prefix,
             key_limit, row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, 0,
-            BLOCK_SIZE, TILE_N, False, False, USE_SOFTCAP, KV_FP8,
+            BLOCK_SIZE, TILE_N, False, False, USE_SOFTCAP, KV_FP8, HEAD == HEAD_PAD, False,
         )
     sidx = (req.to(tl.int64) * NUM_HEADS + head) * seg_total + num_segments + pseg
     tl.store(seg_out_ptr + sidx[:, None] * HEAD_PAD + offs_d[None, :], acc * v_scale,
@@ -399,6 +434,7 @@ def unified_attention(
     num_stages: int | None = None,
     cascade: torch.Tensor | None = None,
     prefix_segments: int = 1,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
 
@@ -407,8 +443,9 @@ def unified_attention(
     blocks; _prefix_attention_kernel reads them once for all of those (split `prefix_segments` ways), the
     unified kernel the rest per request, and the reduction merges both. P = 0 at run time is a plain step.
 
-    `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` override the
-    defaults for tuning; `out` is written for rows < num_tokens. An fp8 cache is read back as
+    The launch configuration is triton_tuning.choose_config's (by tokens per request) unless `config` is given;
+    `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` then override
+    single fields (tuning sweeps). `out` is written for rows < num_tokens. An fp8 cache is read back as
     k_scale * K and v_scale * V (the scales reshape_and_cache divided by).
     """
     _, num_heads, head = query.shape
@@ -416,16 +453,17 @@ def unified_attention(
     block_size = kv_cache.shape[2]
     group = num_heads // kv_heads
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
-    # tl.dot needs every dimension >= 16: BLOCK_M rows = BLOCK_Q tokens x G heads.
-    block_m = max(16, triton.next_power_of_2(group))
-    if num_segments == 1 and num_tokens > num_seqs * 4:  # prefill-heavy: a taller tile reuses K/V more
-        block_m = max(block_m, 64)
-    if rows_per_program:  # tuning sweeps
-        block_m = max(rows_per_program, triton.next_power_of_2(group))
-    block_q = block_m // group
+    cfg = config or choose_config(num_tokens, num_seqs, num_segments)
+    overrides = {"rows": rows_per_program, "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages}
+    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v})
+    # tl.dot needs every dimension >= 16. Packed GQA: BLOCK_M rows = BLOCK_Q tokens x G heads of one KV head,
+    # so at least one token's G heads; unpacked: BLOCK_M tokens of one query head.
+    block_m = max(16, cfg.rows, triton.next_power_of_2(group) if cfg.pack_gqa else 16)
+    block_q = block_m // group if cfg.pack_gqa else block_m
     head_pad = max(16, triton.next_power_of_2(head))
-    tile_n = tile_n or (16 if _interpreting() else 64 if block_m >= 64 else 32)
-    grid = (num_tokens // block_q + num_seqs, kv_heads, num_segments)
+    # The interpreter's default tile is small (more tiles per test batch) unless one was asked for.
+    tile = 16 if _interpreting() and config is None and not tile_n else cfg.tile_n
+    grid = (num_tokens // block_q + num_seqs, kv_heads if cfg.pack_gqa else num_heads, num_segments)
     use_cascade = cascade is not None
     seg_total = num_segments + (prefix_segments if use_cascade else 0)
     if seg_total > 1:
@@ -435,11 +473,6 @@ def unified_attention(
         seg_sum = torch.empty(rows, dtype=torch.float32, device=query.device)
     else:
         seg_out = seg_max = seg_sum = out  # unused
-    extra = {}
-    if num_warps is not None:
-        extra["num_warps"] = num_warps
-    if num_stages is not None:
-        extra["num_stages"] = num_stages
     cascade_arg = cascade if use_cascade else seq_lens  # any int32 tensor: unread without CASCADE
     _unified_attention_kernel[grid](
         query, kv_cache, out, seg_out, seg_max, seg_sum,
@@ -449,12 +482,15 @@ def unified_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
-        SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade, **extra,
+        SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade,
+        REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_cascade:
         assert sliding_window is None and num_tokens == num_seqs, "cascade: decode-only batches, no window"
+        assert CASCADE_ALIGN.value % tile == 0, "the suffix kernel's tiles must end at the aligned prefix"
         prefix_m = max(64, triton.next_power_of_2(group))
         _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
             query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,

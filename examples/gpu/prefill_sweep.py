@@ -1,0 +1,333 @@
+"""The Triton unified attention kernel on prefill-heavy batches: a launch-configuration sweep; one H200.
+
+    python examples/gpu/prefill_sweep.py --out $OUT/prefill_sweep.json        # H200, ~90-150 s
+    python examples/gpu/prefill_sweep.py --dry-run --out /tmp/prefill.json    # CPU, Triton interpreter
+
+Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blocks):
+  8x2048   8 fresh prefills of 2048 tokens, causal          (275 GFLOP: docs/perf-notes.md 1b)
+  1x8192   one fresh prefill of 8192 tokens                  (550 GFLOP)
+  mixed    4 fresh prefills of 2048 + 256 decodes at a 2048-token context, decodes first as the engine
+           orders them (137.5 + 8.6 GFLOP; the decodes also read 2.1 GB of K/V)
+FLOPs = 4 x (visible query-key pairs) x 32 heads x 128: masked-out work is not counted.
+
+Each AttentionConfig of the grid (triton_tuning.py) runs on every case: output checked against torch SDPA in
+float32 on the same K/V (rel_l2 = ||out - ref|| / ||ref||, ok below 1e-2; bf16 rounding gives ~2e-3), then
+timed with CUDA events, median of 20 calls after 3 warm-up calls. Also timed: the rule's default (`default`:
+unified_attention with no config) and the engine path (`forward`: TritonImpl.forward, reshape_and_cache
+included). Triton compiles run first in parallel worker processes (they fill Triton's on-disk cache; the
+timing process then only loads), and configs past a 200 s budget are skipped, defaults first in the order.
+The last lines printed are a table per case (best 8, the v1 best, the default); all numbers are in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+if "--dry-run" in sys.argv:  # before triton is imported anywhere
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+import torch.nn.functional as F
+
+T0 = time.time()
+BUDGET_S = 200.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model shape and the cases' request lists (contexts cached before the step, new tokens)."""
+
+    heads: int
+    kv_heads: int
+    head: int
+    page: int
+    dtype: torch.dtype
+    device: str
+    cases: dict[str, tuple[list[int], list[int]]]
+
+
+def gpu_shape() -> Shape:
+    return Shape(32, 8, 128, 16, torch.bfloat16, "cuda", {
+        "8x2048": ([0] * 8, [2048] * 8),
+        "1x8192": ([0], [8192]),
+        "mixed": ([2047] * 256 + [0] * 4, [1] * 256 + [2048] * 4),
+    })
+
+
+def dry_shape() -> Shape:
+    return Shape(8, 2, 16, 16, torch.float16, "cpu", {
+        "8x2048": ([0] * 2, [160] * 2),
+        "1x8192": ([0], [300]),
+        "mixed": ([39] * 4 + [0] * 2, [1] * 4 + [140] * 2),
+    })
+
+
+def grid(dry: bool) -> list[Any]:
+    """Configs in the order they run: the table's entries and the v1 best first (a budget cut drops the tail)."""
+    from pagedllm.plugins.attention import triton_tuning as tt
+
+    cfg = tt.AttentionConfig
+    v1_best = v1_best_config()
+    if dry:
+        return [tt.PREFILL, v1_best, replace(tt.PREFILL, pack_gqa=False)]
+    out = [tt.PREFILL, tt.MIXED, v1_best]
+    # 1. rows x tile x warps x stages, the layout switches at the PREFILL entry's (reverse, K as rows).
+    #    Stages 2, 3 and 4 all prefetch one K/V tile (triton_tuning NOTE 1): 4 only once, as evidence.
+    sw = {"reverse": tt.PREFILL.reverse, "k_rows": tt.PREFILL.k_rows}
+    for tile in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 5):
+                out.append(cfg(rows=64, tile_n=tile, num_warps=warps, num_stages=stages, **sw))
+    for tile, stages in ((32, 2), (32, 3), (32, 5), (32, 7), (64, 2), (64, 3), (64, 4), (64, 5), (64, 7),
+                         (128, 2), (128, 3), (128, 5)):  # 128 x 128 at 5 stages: 225 KB of 227 (sm_90)
+        out.append(cfg(rows=128, tile_n=tile, num_warps=8, num_stages=stages, **sw))
+    out.append(cfg(rows=128, tile_n=64, num_warps=4, num_stages=3, **sw))  # 4 warps: the accumulator spills
+    # 2. each switch off / on at the PREFILL entry, and one head per program (PACK_GQA off).
+    p = tt.PREFILL
+    out += [replace(p, reverse=not p.reverse), replace(p, k_rows=not p.k_rows),
+            replace(p, reverse=False, k_rows=False), replace(p, pack_gqa=False),
+            replace(p, pack_gqa=False, rows=64, num_warps=4), replace(v1_best, reverse=True),
+            replace(v1_best, k_rows=True)]
+    return list(dict.fromkeys(out))  # drop repeats, keep the order
+
+
+def v1_best_config() -> Any:
+    """The best of the v1 sweep (docs/perf-notes.md 1b: 319 TFLOP/s on 8x2048), without the new switches."""
+    from pagedllm.plugins.attention.triton_tuning import AttentionConfig
+
+    return AttentionConfig(rows=64, tile_n=64, num_warps=4, num_stages=2)
+
+
+def flops(contexts: list[int], queries: list[int], heads: int, head: int) -> float:
+    pairs = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, queries))
+    return 4.0 * pairs * heads * head
+
+
+def build_case(shape: Shape, contexts: list[int], queries: list[int], seed: int) -> dict[str, Any]:
+    """Random paged cache and queries, the step's common metadata, and each request's block ids."""
+    from pagedllm.worker.input_prep import prepare_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    needs = [-(-(c + q) // shape.page) for c, q in zip(contexts, queries)]
+    num_blocks = sum(needs) + 1  # block 0: the null block
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_ids, used = [], 0
+    for n in needs:
+        block_ids.append(perm[used:used + n])
+        used += n
+    num_decodes = sum(1 for q in queries if q == 1)
+    dev = torch.device(shape.device)
+    inputs = prepare_inputs([[0] * (c + q) for c, q in zip(contexts, queries)], contexts, queries, block_ids,
+                            shape.page, dev, num_decodes)
+    tokens = sum(queries)
+    dgen = torch.Generator(device=dev).manual_seed(seed)
+    # drawn in the cache dtype: no float32 copy (the mixed case's cache is 2.1 GB in bf16, in every worker)
+    cache = torch.randn(2, num_blocks, shape.page, shape.kv_heads, shape.head, generator=dgen, device=dev,
+                        dtype=shape.dtype)
+    q = torch.randn(tokens, shape.heads, shape.head, generator=dgen, device=dev, dtype=shape.dtype)
+    return {"common": inputs.attn, "cache": cache, "q": q,
+            "block_ids": block_ids, "contexts": contexts, "queries": queries,
+            "out": torch.empty(tokens, shape.heads, shape.head, dtype=shape.dtype, device=dev)}
+
+
+def reference(shape: Shape, case: dict[str, Any]) -> torch.Tensor:
+    """torch SDPA in float32 on each request's K/V gathered from the cache (fresh prefills and decodes only)."""
+    q_all, cache = case["q"].float(), case["cache"]
+    group = shape.heads // shape.kv_heads
+    out = torch.empty_like(q_all)
+    start = 0
+    decodes: list[tuple[int, list[int], int]] = []
+    for ctx, qn, blocks in zip(case["contexts"], case["queries"], case["block_ids"]):
+        seq = ctx + qn
+        if qn == 1:  # batched below: one SDPA call for every decode of the same length
+            decodes.append((start, blocks, seq))
+            start += 1
+            continue
+        assert ctx == 0, "SDPA's is_causal aligns top-left: only fresh prefills (or decodes) are checked"
+        k, v = (cache[i, blocks].flatten(0, 1)[:seq].float() for i in (0, 1))  # [seq, kv, d]
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1)[None] for x in (k, v))
+        qr = q_all[start:start + qn].transpose(0, 1)[None]
+        out[start:start + qn] = F.scaled_dot_product_attention(qr, k, v, is_causal=True)[0].transpose(0, 1)
+        start += qn
+    if decodes:
+        seqs = {s for _, _, s in decodes}
+        assert len(seqs) == 1, "decodes of one context length"
+        seq = seqs.pop()
+        rows = torch.tensor([r for r, _, _ in decodes], device=q_all.device)
+        blk = torch.tensor([b for _, b, _ in decodes], device=q_all.device)  # [D, blocks]
+        k, v = (cache[i][blk].flatten(1, 2)[:, :seq].float().transpose(1, 2) for i in (0, 1))  # [D, kv, seq, d]
+        # One query token, no mask: a KV head's G query heads are just G query rows against its keys.
+        qd = q_all[rows].view(len(decodes), shape.kv_heads, group, shape.head)
+        out[rows] = F.scaled_dot_product_attention(qd, k, v).flatten(1, 2)
+    return out
+
+
+def call(shape: Shape, case: dict[str, Any], config: Any) -> None:
+    from pagedllm.plugins.attention.triton_kernels import unified_attention
+
+    c = case["common"]
+    unified_attention(case["q"], case["cache"], case["out"], c.query_start_loc, c.seq_lens, c.block_table,
+                      c.num_reqs, c.num_actual_tokens, shape.head**-0.5, config=config)
+
+
+def time_ms(fn: Any, dry: bool, iters: int = 20, warmup: int = 3) -> float:
+    if dry:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _precompile(indices: list[int]) -> None:
+    """Worker: run each of its configs once on every case, so Triton's on-disk cache holds the binaries."""
+    shape, configs = gpu_shape(), grid(False)
+    cases = [build_case(shape, ctx, qs, seed) for seed, (ctx, qs) in enumerate(shape.cases.values())]
+    for i in indices:
+        for case in cases:
+            try:
+                call(shape, case, configs[i])
+            except Exception:  # noqa: BLE001 - the timing process records the error
+                break
+    torch.cuda.synchronize()
+
+
+def precompile(n_configs: int) -> float:
+    t = time.time()
+    workers = max(1, min(12, (os.cpu_count() or 2) - 2, n_configs))
+    chunks = [list(range(i, n_configs, workers)) for i in range(workers)]
+    try:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            pool.map_async(_precompile, chunks).get(timeout=150)
+    except Exception as exc:  # noqa: BLE001 - the timing process then compiles what is missing itself
+        print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in the timing process", flush=True)
+    return time.time() - t
+
+
+def forward_ms(shape: Shape, case: dict[str, Any], dry: bool) -> float:
+    """TritonImpl.forward as the engine calls it (reshape_and_cache of the step's K/V, then the kernel)."""
+    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.protocols.attention import AttentionLayerConfig
+
+    layer = AttentionLayerConfig(shape.heads, shape.head, shape.kv_heads, shape.head**-0.5)
+    impl, md = TritonBackend.make_impl(layer), TritonBackend.build_metadata(case["common"])
+    tokens = case["q"].shape[0]
+    k = torch.randn(tokens, shape.kv_heads, shape.head, device=shape.device).to(shape.dtype)
+    cache = case["cache"].clone()  # forward writes the step's K/V: keep the checked cache intact
+    return time_ms(lambda: impl.forward(case["q"], k, k, cache, md), dry)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="prefill_sweep.json")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process (slower)")
+    args = ap.parse_args()
+    dry = args.dry_run
+    shape = dry_shape() if dry else gpu_shape()
+    configs = grid(dry)
+    results: dict[str, Any] = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
+                               "torch": torch.__version__, "configs": [asdict(c) for c in configs], "cases": {}}
+    import triton
+
+    from pagedllm.plugins.attention import triton_tuning as tt
+
+    results["triton"] = triton.__version__
+    results["table"] = {"PREFILL": asdict(tt.PREFILL), "MIXED": asdict(tt.MIXED), "DECODE": asdict(tt.DECODE),
+                        "PREFILL_MIN_TOKENS_PER_REQ": tt.PREFILL_MIN_TOKENS_PER_REQ}
+    if not dry and not args.no_precompile:
+        results["precompile_s"] = round(precompile(len(configs)), 1)
+        print(f"[{time.time() - T0:6.1f}s] precompiled {len(configs)} configs", flush=True)
+
+    cases = {name: build_case(shape, ctx, qs, seed) for seed, (name, (ctx, qs)) in enumerate(shape.cases.items())}
+    refs = {name: reference(shape, case) for name, case in cases.items()}
+    work = {name: flops(case["contexts"], case["queries"], shape.heads, shape.head) for name, case in cases.items()}
+    for name in cases:
+        results["cases"][name] = {"gflop": round(work[name] / 1e9, 1), "rows": []}
+
+    def measure(name: str, config: Any) -> dict[str, Any]:
+        case = cases[name]
+        row: dict[str, Any] = {"config": asdict(config) if config is not None else "default"}
+        try:
+            call(shape, case, config)  # compile / load, then check
+            diff = case["out"].float() - refs[name]
+            row["rel_l2"] = float(diff.norm() / refs[name].norm())
+            row["max_abs"] = float(diff.abs().max())
+            row["ok"] = bool(row["rel_l2"] < 1e-2 and not torch.isnan(case["out"]).any())
+            ms = time_ms(lambda: call(shape, case, config), dry)
+            row["ms"] = round(ms, 4)
+            row["TFLOPs"] = round(work[name] / (ms * 1e-3) / 1e12, 1)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a data point
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return row
+
+    for name in cases:  # the rule's default and the engine path first: always measured
+        results["cases"][name]["default"] = measure(name, None)
+        try:
+            ms = forward_ms(shape, cases[name], dry)
+            results["cases"][name]["forward"] = {"ms": round(ms, 4), "TFLOPs": round(work[name] / ms / 1e9, 1)}
+        except Exception as exc:  # noqa: BLE001
+            results["cases"][name]["forward"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    skipped = 0
+    for config in configs:
+        if time.time() - T0 > BUDGET_S:
+            skipped += 1
+            continue
+        for name in cases:
+            results["cases"][name]["rows"].append(measure(name, config))
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    results["skipped_configs"] = skipped
+    results["elapsed_s"] = round(time.time() - T0, 1)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print_tables(results)
+
+
+def _label(c: dict[str, Any]) -> str:
+    flags = "".join(f for f, on in (("R", c["reverse"]), ("K", c["k_rows"]), ("H", not c["pack_gqa"])) if on)
+    return f"m{c['rows']} t{c['tile_n']} w{c['num_warps']} s{c['num_stages']} {flags or '-'}"
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    """Per case: the best 8 configs, the v1 best, the default and the engine path (R reverse, K k_rows, H per head)."""
+    v1 = asdict(v1_best_config())
+    for name, res in results["cases"].items():
+        print(f"\n== {name} ({res['gflop']} GFLOP)  {'config':<24} {'TFLOP/s':>8} {'ms':>8} {'rel_l2':>8}  ok")
+        rows = [r for r in res["rows"] if "ms" in r]
+        best = sorted(rows, key=lambda r: -r["TFLOPs"])[:8]
+        marked = [("best", r) for r in best] + [("v1 best", r) for r in rows if r["config"] == v1]
+        for tag, r in marked:
+            print(f"   {tag:<8} {_label(r['config']):<24} {r['TFLOPs']:>8} {r['ms']:>8} {r['rel_l2']:>8.1e}  {r['ok']}")
+        d = res["default"]
+        if "ms" in d:
+            print(f"   {'default':<8} {'(rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
+        f = res["forward"]
+        print(f"   {'forward':<8} {'(TritonImpl.forward)':<24} {f.get('TFLOPs', f.get('error'))!s:>8}")
+        bad = [r for r in res["rows"] if "error" in r or not r.get("ok")]
+        if bad:
+            print(f"   {len(bad)} config(s) failed or off: " + "; ".join(
+                f"{_label(r['config'])}: {r.get('error', r.get('rel_l2'))}"[:120] for r in bad[:4]))
+    print(f"\nelapsed {results['elapsed_s']} s, skipped {results['skipped_configs']} configs "
+          f"(precompile {results.get('precompile_s', '-')} s)")
+
+
+if __name__ == "__main__":
+    main()

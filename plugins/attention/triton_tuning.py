@@ -1,0 +1,68 @@
+"""Launch configurations of the unified attention kernel (triton_kernels.py) and the rule that picks one.
+
+The table is the only place the defaults live: examples/gpu/prefill_sweep.py measures every entry and its
+neighbours on the H200, and a new default is a one-line edit here.
+
+Rule (`choose_config`), from host integers only (CUDA-graph safe: a captured decode or uniform-spec step has
+fixed counts): the average number of new tokens per request, T / B.
+
+    T / B <= 4 or split-KV   -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
+                                         (triton_backend NOTE 1) fills the GPU
+    4 < T / B < 128          -> MIXED    64 rows: prefill chunks next to many decodes, whose one-token blocks
+                                         would waste most of a taller tile
+    T / B >= 128             -> PREFILL  128 rows (32 tokens x 4 heads at G = 4), 8 warps, deep pipeline
+
+NOTE 1 (why 128 rows need 8 warps and 5 stages). With 64 rows each K/V tile (64 keys: 32 KB) feeds 2 MFLOP,
+so at 350 TFLOP/s the 132 SMs pull ~5.5 TB/s of K/V from L2 -- about what the H200's L2 delivers, which is
+where the 64-row kernel levelled off (319 TFLOP/s). 128 rows halve that. But a 128-row program holds a
+128 x 128 fp32 accumulator (64 registers a thread at 8 warps; 4 warps would spill) and runs at ~190
+registers, so one program per SM: nothing else hides its loads. Triton's pipeliner gives a load behind one
+level of indirection (K/V addresses come from the block table) a prefetch distance of (num_stages - 1) // 2
+tiles, so stages 2, 3 and 4 all prefetch ONE tile and wait for it at the top of the next iteration (checked
+in the sm_90 TTGIR: double buffers, async_wait 0); 5 stages prefetch two (triple buffers, 132 KB of shared
+memory at tile 64), 7 three. The earlier sweep (rows 128 at 2-3 stages) never had a deeper pipeline.
+
+NOTE 2 (reverse order). Blocks are dispatched in launch order, a request's query blocks by increasing
+position: under the causal mask the last blocks of a request carry the most keys. REVERSE launches them
+first, so the programs still running at the end of the grid are the shortest ones (longest-first
+scheduling), not a last wave of 2048-key blocks.
+
+NOTE 3 (K as rows). Loading K as [tile, head] rows puts K and V in one register layout, so the block-table
+lookup and the per-key offsets are computed once per tile instead of once per layout (the sm_90 TTGIR of
+the transposed gather loads the block ids twice); tl.trans is then a transposed shared-memory view that
+wgmma reads directly (no register shuffle), as in Triton's own attention tutorial.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One launch configuration of _unified_attention_kernel."""
+
+    rows: int  # BLOCK_M: query rows per program (tokens x G heads with pack_gqa; raised to the next pow2 of G)
+    tile_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int  # Triton's pipeline depth (NOTE 1: K/V prefetch distance is (num_stages - 1) // 2)
+    reverse: bool = False  # launch each request's last (heaviest causal) query blocks first (NOTE 2)
+    k_rows: bool = False  # load K as [tile_n, head] rows and transpose in the dot, instead of a [head, tile_n] gather
+    pack_gqa: bool = True  # rows = tokens x the G heads of a KV head; False: one query head's tokens per program
+
+
+DECODE = AttentionConfig(rows=16, tile_n=32, num_warps=4, num_stages=3)
+MIXED = AttentionConfig(rows=64, tile_n=64, num_warps=4, num_stages=3)
+PREFILL = AttentionConfig(rows=128, tile_n=64, num_warps=8, num_stages=5, reverse=True, k_rows=True)
+
+MIXED_MIN_TOKENS_PER_REQ = 4  # above: MIXED (the v1 kernel's "prefill-heavy" rule)
+PREFILL_MIN_TOKENS_PER_REQ = 128  # at or above: PREFILL
+
+
+def choose_config(num_tokens: int, num_seqs: int, num_segments: int) -> AttentionConfig:
+    """The table entry for a batch of `num_tokens` new tokens over `num_seqs` requests (module docstring)."""
+    if num_segments > 1 or num_tokens <= num_seqs * MIXED_MIN_TOKENS_PER_REQ:
+        return DECODE
+    if num_tokens >= num_seqs * PREFILL_MIN_TOKENS_PER_REQ:
+        return PREFILL
+    return MIXED
