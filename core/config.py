@@ -150,6 +150,12 @@ class EngineConfig(_Section):
         "the CPU, for GGUF weights kept quantized, those and decode attention as C kernels (false: the torch "
         "ops, for A/B runs; the dense CPU path always uses torch)",
     )
+    dense_gemv: bool = Field(
+        False,
+        description="on CUDA, dense 16-bit linears and the LM head run a Triton split-K GEMV at decode sizes "
+        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py); false: "
+        "always cuBLAS (the default until examples/gpu/gemv_sweep.py has measured it)",
+    )
     cuda_graph_sizes: list[int] | None = Field(
         None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"
     )

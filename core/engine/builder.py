@@ -25,6 +25,7 @@ from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedllm.layers.dense_gemv import set_dense_gemv
 from pagedllm.layers.fused_ops import set_cpu_ops, set_fused_ops
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
@@ -197,6 +198,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     model.eval()
     # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
     set_fused_ops(model, "auto" if config.fused_ops else "off")
+    # The Triton decode GEMV for dense 16-bit linears (CUDA only); `dense_gemv: false` is the A/B switch.
+    set_dense_gemv(model, config.dense_gemv)
     if config.fused_ops and device.type == "cpu" and dtype == torch.float32 and getattr(quant_config, "cpu_fused_ops", False):
         # NOTE: the CPU's C kernels (norm, rotary, SiLU-and-mul, decode attention) are not bit-identical to
         # torch, so only a method whose outputs already differ from the float model asks for them

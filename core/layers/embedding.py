@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.communication import tp_all_gather, tp_all_reduce
+from pagedllm.layers.dense_gemv import dense_linear
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
@@ -74,7 +75,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> vocab logits; may share its weight with the embedding (tie_word_embeddings)."""
+    """hidden -> vocab logits; may share its weight with the embedding (tie_word_embeddings).
+
+    `dense_gemv` (dense_gemv.set_dense_gemv) sends a dense head's decode-sized products to the Triton GEMV.
+    """
+
+    dense_gemv: bool = False
 
     def __init__(self, ctx: ModelBuildContext, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(ctx, num_embeddings, embedding_dim)
@@ -95,6 +101,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if source.quant_method is not None:
             logits = source.quant_method.apply(source, hidden_states)
         else:
-            logits = F.linear(hidden_states, self.weight)
+            logits = dense_linear(hidden_states, self.weight, None, self.dense_gemv)
         logits = tp_all_gather(logits, self.tp_size, dim=-1)
         return logits[..., : self.num_embeddings]

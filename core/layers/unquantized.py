@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
+from pagedllm.layers.dense_gemv import dense_linear
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
 class UnquantizedLinearMethod:
-    """Stores one dense `weight` [sum(output_partition_sizes), input_size_per_partition] per layer."""
+    """Stores one dense `weight` [sum(output_partition_sizes), input_size_per_partition] per layer.
+
+    `dense_gemv` (set per layer by dense_gemv.set_dense_gemv, from the engine config) sends decode-sized
+    products on CUDA to the Triton GEMV (dense_gemv.py says when); off, every product is F.linear.
+    """
+
+    dense_gemv: bool = False
 
     def create_weights(
         self,
@@ -30,7 +36,7 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x @ W^T (+ bias)."""
-        return F.linear(x, cast(torch.Tensor, layer.weight), bias)
+        return dense_linear(x, cast(torch.Tensor, layer.weight), bias, self.dense_gemv)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Nothing to repack for dense weights."""

@@ -1,0 +1,152 @@
+"""When a dense 16-bit linear runs the Triton decode GEMV (dense_gemv_kernel.py) instead of cuBLAS.
+
+    the layer's switch on        `dense_gemv` on its method / LM head, set by `set_dense_gemv` from the engine
+                                 config's `dense_gemv` (PAGEDLLM_DENSE_GEMV=true; off: always cuBLAS)
+    x on CUDA, triton present    (the CPU keeps torch's matmul: the interpreter is for tests only)
+    x and W both bf16 or fp16    W contiguous along K; the bias, if any, in the same dtype
+    rows M <= GEMV_MAX_M         (prefill and batched decode are matmuls: cuBLAS)
+    the shape's table entry      GEMV_TABLE[(M, N, K)]: blocks, or None where the H200 sweep found cuBLAS
+                                 faster; a shape outside the table takes default_blocks up to DEFAULT_MAX_M rows
+
+This module imports no triton: the kernel module is imported on the first GEMV call.
+
+NOTE 1: the switch lives on each layer (as fused_ops.py NOTE 1), so two engines in one process can differ,
+and an A/B run flips it on a live model and re-captures its CUDA graphs (examples/gpu/gemv_sweep.py).
+NOTE 2: a decode step's shapes are fixed, so the table lookup is a dict hit per call; graphs capture the
+choice made at capture time.
+NOTE 3 (`gated_down`): a SwiGLU MLP at decode runs gate_up, SiLU-and-mul, down: three launches, the middle
+one ~1.5-2 us in a graph for 14,336 values. When the down projection would take the GEMV, the GEMV reads
+[gate | up] and forms silu(gate) * up itself, rounded as SiluAndMul rounds (dense_gemv_kernel NOTE 5): one
+launch fewer per layer, the same values. It uses the down projection's table entry and switch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.fused_ops import triton_available
+
+GEMV_MAX_M = 4  # the kernel's accumulators are unrolled for at most this many rows
+DEFAULT_MAX_M = 2  # shapes not in GEMV_TABLE take the GEMV up to this many rows
+# Programs per SM the default split of K aims at: 4-warp programs of ~48 registers, ~10 resident per SM
+# (dense_gemv_kernel NOTE 1); more only shortens each program's stream.
+PROGRAMS_PER_SM = 8
+
+
+class DenseGemvBlocks(NamedTuple):
+    """Tunables of one launch: tile [block_n, block_k], warps, and the requested split of K."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int
+
+
+# (M, N, K) -> blocks, or None where cuBLAS wins: the H200 sweep's choices (`python examples/gpu/gemv_sweep.py`;
+# it prints this table's entries). Empty until measured: every shape takes default_blocks.
+GEMV_TABLE: dict[tuple[int, int, int], DenseGemvBlocks | None] = {}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
+    """The split of K that brings cdiv(n, block_n) column blocks to about `programs` programs: whole steps
+    per split, so the value returned is the split the kernel will run (dense_gemv_kernel.dense_gemv)."""
+    col_blocks = -(-n // block_n)
+    steps = -(-k // block_k)
+    wanted = max(1, min(-(-programs // col_blocks), steps))
+    return -(-steps // -(-steps // wanted))
+
+
+def default_blocks(m: int, n: int, k: int, sms: int = 132) -> DenseGemvBlocks:
+    """The starting point the sweep refines: 8 (M = 1), 4 (M = 2) or 2 rows of W per program, BLOCK_K =
+    8 x 32 x warps up to 1024 (dense_gemv_kernel NOTE 1), K split until ~PROGRAMS_PER_SM programs per SM."""
+    block_n = 8 if m == 1 else 4 if m == 2 else 2
+    block_k = 1024
+    while block_k > 8 and block_k >= 2 * k:
+        block_k //= 2
+    warps = max(1, min(4, block_k // 256))
+    return DenseGemvBlocks(block_n, block_k, warps, split_for(n, k, block_n, block_k, PROGRAMS_PER_SM * sms))
+
+
+def gemv_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseGemvBlocks | None:
+    """The GEMV's blocks for y = x @ weight^T (+ bias), or None when cuBLAS should take it (module rule)."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return None
+    if weight.dim() != 2 or weight.stride(1) != 1 or (bias is not None and bias.dtype != x.dtype):
+        return None
+    n, k = weight.shape
+    if x.shape[-1] != k or k == 0 or n == 0:
+        return None
+    m = x.numel() // k
+    if not 1 <= m <= GEMV_MAX_M or not triton_available():
+        return None
+    key = (m, n, k)
+    if key in GEMV_TABLE:
+        return GEMV_TABLE[key]
+    return default_blocks(m, n, k, _sm_count(x.device.index or 0)) if m <= DEFAULT_MAX_M else None
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the Triton GEMV when `gemv` is on and the module rule says so."""
+    blocks = gemv_blocks(x, weight, bias) if gemv else None
+    if blocks is None:
+        return F.linear(x, weight, bias)
+    from pagedllm.layers.dense_gemv_kernel import dense_gemv
+
+    return dense_gemv(x, weight, bias, blocks)
+
+
+def gated_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate) * up) as one GEMV that forms the activation on the fly (NOTE 3), or None when the
+    module rule does not take it (the caller then runs the activation and the projection as usual)."""
+    if gate_up.device.type != "cuda" or not getattr(getattr(down, "quant_method", None), "dense_gemv", False):
+        return None  # before the imports: the CPU path pays one attribute lookup per layer
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.linear import ReplicatedLinear, RowParallelLinear
+    from pagedllm.layers.unquantized import UnquantizedLinearMethod
+
+    method = getattr(down, "quant_method", None)
+    if type(act) is not SiluAndMul or not isinstance(method, UnquantizedLinearMethod) or not method.dense_gemv:
+        return None
+    if not getattr(act, "fold_into_gemv", True):  # an A/B run's per-layer off switch (gemv_sweep.py)
+        return None
+    if not isinstance(down, (ReplicatedLinear, RowParallelLinear)) or down.bias is not None:
+        return None
+    weight = down.weight
+    half = gate_up.shape[-1] // 2
+    if gate_up.shape[-1] != 2 * half or weight.shape[1] != half:
+        return None
+    blocks = gemv_blocks(gate_up[..., :half], weight, None)
+    if blocks is None:
+        return None
+    from pagedllm.layers.dense_gemv_kernel import dense_gemv
+
+    y = dense_gemv(gate_up, weight, None, blocks, gated=True)
+    if isinstance(down, RowParallelLinear):
+        from pagedllm.distributed.communication import tp_all_reduce
+
+        y = tp_all_reduce(y, down.tp_size)
+    return y
+
+
+def set_dense_gemv(model: nn.Module, enabled: bool) -> int:
+    """Switch the GEMV on or off for every dense linear and LM head of `model` (NOTE 1); returns the count."""
+    from pagedllm.layers.embedding import ParallelLMHead
+    from pagedllm.layers.unquantized import UnquantizedLinearMethod
+
+    count = 0
+    for module in model.modules():
+        target = module if isinstance(module, ParallelLMHead) else getattr(module, "quant_method", None)
+        if isinstance(target, (ParallelLMHead, UnquantizedLinearMethod)):
+            target.dense_gemv = enabled
+            count += 1
+    return count

@@ -1,0 +1,228 @@
+"""A Triton GEMV for dense 16-bit weights at decode sizes: y[M, N] = x[M, K] @ W[N, K]^T (+ b), M <= 4.
+
+Decode reads each weight once and does two FLOPs with it, so the product is a stream: the kernel's one job is
+to keep enough bytes in flight to read W at the HBM's read bandwidth (cuBLAS runs these shapes at ~3.7 TB/s
+on the H200, docs/perf-notes.md §5c; the copy anchor 4.26 TB/s counts a read and a write).
+
+    grid (cdiv(N, BLOCK_N), SPLIT_K)       program (n block, K slice of K_PER_SPLIT inputs)
+    per step (BLOCK_K inputs)              W tile [BLOCK_N, BLOCK_K] in one 2-D load (K contiguous: one
+                                           16-byte load per thread and row), x[m, k0:k0+BLOCK_K]
+                                           acc_m[BLOCK_N, BLOCK_K / 8] += sum of 8 adjacent w * x_m
+    end of the slice                       p_m = sum of acc_m over K (one cross-lane reduction per program)
+    SPLIT_K = 1                            y[m, n] = p_m (+ b), rounded once to the output dtype
+    SPLIT_K > 1                            partial[split, m, n] = p_m (float32); the program that draws its
+                                           n block's last ticket sums the partials in split order (NOTE 2)
+
+NOTE 1 (layouts and registers; checked by compiling for sm_90 on the CPU, docs/perf-notes.md §11): BLOCK_K is
+8 x 32 x num_warps, so every warp lies along K and a thread owns 8 adjacent inputs of each of the tile's
+BLOCK_N rows. Then x's 1-D load has the layout of the tile's columns (no conversion through shared memory,
+no barrier in the loop: a BLOCK_K of 512 with 4 warps put two BAR.SYNC in every step), and the 8 products of
+one 16-byte load are summed in registers before they meet the accumulator, which is [BLOCK_N, BLOCK_K / 8]:
+48 registers at M = 1 (8 x 1024, 4 warps) against 106 for a [BLOCK_N, BLOCK_K] one, so ~10 programs fit
+an SM and their loads hide the latency (ptxas issues 3-4 of a step's 8 loads before the first is used, so
+bytes in flight come from resident warps, not from one program's tile). One reduction across lanes and
+warps per program, at the end. Every sum's order is fixed by the compiled code: the bits are the same every
+run and differ from cuBLAS's only by summation order (both accumulate in float32 and round once).
+NOTE 2 (split-K in one launch, as w4a16_gemv_tiled.py NOTE 3): each program stores its float32 partials,
+`debug_barrier` (every thread's stores before the ticket), then one atomic_add (acq_rel, gpu scope) on its n
+block's ticket; the program that draws SPLIT_K - 1 reads the partials through L2 (`.cg`) in split order, so y
+is deterministic, adds the bias, writes y and puts the ticket back to 0 (the buffer stays zero between
+launches: CUDA-graph safe). No second kernel per linear: at decode a launch inside a graph costs ~1-2 us,
+as much as the o projection's whole tail. The tickets are one int32 buffer per device, allocated on first
+use (the engine's eager warm-up runs before any capture); GEMVs on two streams at once would share them --
+the engine's decode is one stream.
+NOTE 3 (EVEN): when BLOCK_N divides N and BLOCK_K divides K (every Llama-8B shape) the loads carry no mask,
+so Triton keeps them 16 bytes wide; odd shapes take masked loads (correct, slower).
+NOTE 4: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
+NOTE 5 (GATED: SiLU-and-mul folded into the down projection): at decode the MLP's activation is its own
+launch (~1.5-2 us in a graph, once per layer) that writes 14,336 values the down GEMV reads straight back.
+GATED reads [gate | up] instead and forms silu(gate) * up per input as the fused kernel does (triton_ops
+act_and_mul: the activation rounded to the dtype before the multiply, the product rounded once), so the
+values that meet the weights are the ones the two-launch path would have stored. Each thread computes its
+own 8 inputs per step (warps lie along K: no input is computed twice in a program).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
+
+
+@triton.jit
+def _load_x(x_ptr, kk, k_ok, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        return tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fma_row(acc, x_ptr, row: tl.constexpr, stride_xm, K, kk, k_ok, w, EVEN: tl.constexpr,
+             GATED: tl.constexpr, dtype: tl.constexpr):
+    """acc + w * x[row, kk] (broadcast over the tile's rows), in float32; GATED: x = silu(gate) * up (NOTE 5)."""
+    if GATED:
+        gate = _load_x(x_ptr + row * stride_xm, kk, k_ok, EVEN)
+        up = _load_x(x_ptr + row * stride_xm + K, kk, k_ok, EVEN)
+        act = gate / (1.0 + tl.exp(-gate))
+        x = (act.to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
+    else:
+        x = _load_x(x_ptr + row * stride_xm, kk, k_ok, EVEN)
+    prod = w * x[None, :]
+    # NOTE 1: each thread's 8 adjacent inputs (one 16-byte load) are summed in registers, no shuffles
+    return acc + tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // 8, 8)), axis=2)
+
+
+@triton.jit
+def _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """y[m, offs_n] = p_m (+ b), one rounding to y's dtype."""
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        p0 += b
+        p1 += b
+        p2 += b
+        p3 += b
+    dtype = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_n, p0.to(dtype), mask=n_ok)
+    if ROWS > 1:
+        tl.store(y_ptr + stride_ym + offs_n, p1.to(dtype), mask=n_ok)
+    if ROWS > 2:
+        tl.store(y_ptr + 2 * stride_ym + offs_n, p2.to(dtype), mask=n_ok)
+    if ROWS > 3:
+        tl.store(y_ptr + 3 * stride_ym + offs_n, p3.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
+    N, K, K_PER_SPLIT, SPLITS,
+    stride_xm, stride_wn, stride_ym,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FUSED_SPLIT: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    n_ok = offs_n < N
+    k_begin = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # int64: N x K may pass 2^31 (an LM head)
+    a0 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # NOTE 1
+    a1, a2, a3 = a0, a0, a0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < k_end
+        if EVEN:  # NOTE 3
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        w = w.to(tl.float32)
+        a0 = _fma_row(a0, x_ptr, 0, stride_xm, K, kk, k_ok, w, EVEN, GATED, dtype)
+        if ROWS > 1:
+            a1 = _fma_row(a1, x_ptr, 1, stride_xm, K, kk, k_ok, w, EVEN, GATED, dtype)
+        if ROWS > 2:
+            a2 = _fma_row(a2, x_ptr, 2, stride_xm, K, kk, k_ok, w, EVEN, GATED, dtype)
+        if ROWS > 3:
+            a3 = _fma_row(a3, x_ptr, 3, stride_xm, K, kk, k_ok, w, EVEN, GATED, dtype)
+    p0 = tl.sum(a0, axis=1)  # NOTE 1: one reduction per program
+    p1 = tl.sum(a1, axis=1) if ROWS > 1 else p0
+    p2 = tl.sum(a2, axis=1) if ROWS > 2 else p0
+    p3 = tl.sum(a3, axis=1) if ROWS > 3 else p0
+    if not FUSED_SPLIT:
+        _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS, HAS_BIAS)
+    else:  # NOTE 2
+        MN = ROWS * N
+        part = part_ptr + pid_k * MN + offs_n
+        tl.store(part, p0, mask=n_ok)
+        if ROWS > 1:
+            tl.store(part + N, p1, mask=n_ok)
+        if ROWS > 2:
+            tl.store(part + 2 * N, p2, mask=n_ok)
+        if ROWS > 3:
+            tl.store(part + 3 * N, p3, mask=n_ok)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLITS - 1:
+            t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            t1, t2, t3 = t0, t0, t0
+            for split in range(SPLITS):  # split order: the same bits every run
+                src = part_ptr + split * MN + offs_n
+                t0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if ROWS > 1:
+                    t1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if ROWS > 2:
+                    t2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if ROWS > 3:
+                    t3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS)
+            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+# Outgrown ticket buffers are kept, never freed: a CUDA graph captured earlier may still point at one.
+_RETIRED: list[torch.Tensor] = []
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The per-device int32 tickets, all zero between launches (NOTE 2)."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < count:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(count, 16384), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
+
+
+def dense_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: DenseGemvBlocks | tuple[int, int, int, int],
+    gated: bool = False,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias) for at most GEMV_MAX_M rows of x; y in x's dtype.
+
+    gated: x is [..., 2K] = [gate | up] and the product takes silu(gate) * up, rounded as SiluAndMul rounds
+    (NOTE 5), without writing it out.
+    """
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
+    n = weight.shape[0]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    m = flat.shape[0]
+    assert 1 <= m <= GEMV_MAX_M and weight.shape[1] == k and weight.stride(1) == 1, (m, tuple(weight.shape))
+    block_n, block_k, warps, split = blocks
+    assert block_k % 8 == 0 and split >= 1, blocks  # 8 adjacent inputs are summed per thread (NOTE 1)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # every split owns at least one step, so every partial is written
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    col_blocks = triton.cdiv(n, block_n)
+    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    tickets = y if split == 1 else _tickets(x.device, col_blocks)
+    _dense_gemv_kernel[(col_blocks, split)](
+        flat, weight, bias if bias is not None else y, y, part, tickets,
+        n, k, k_per_split, split,
+        flat.stride(0), weight.stride(0), n,
+        ROWS=m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN=n % block_n == 0 and k % block_k == 0,
+        HAS_BIAS=bias is not None,
+        FUSED_SPLIT=split > 1,
+        GATED=gated,
+        num_warps=warps,
+    )
+    return y.reshape(*x.shape[:-1], n)
