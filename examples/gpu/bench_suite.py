@@ -11,11 +11,22 @@ Throughput = (input + output tokens) / wall time of one `generate` over all requ
 hand and stamps each token's arrival: (last - first) / (n - 1), median of 3 (vLLM's method).
 With `--vllm` (the JSON bench_vllm.py wrote in the same hour) the table shows the ratios side by side.
 The W3 hardware limit is printed beside it: weight bytes / measured device copy bandwidth.
+
+Quantized weights (issue 7), still dummy: `--quantization gptq | awq | gguf-q4_0` (or another GGUF type:
+gguf-q8_0, gguf-q4_k, ...) writes a checkpoint-style quantization_config into the config folder, so the dummy
+loader fills the method's own packed tensors on the GPU (random codes, small scales, midpoint zeros; no bf16
+weight is made first); `fp8` stays the on-the-fly W8A8 of the bf16 weights. `--compare-bf16 W3` (or W2,W3)
+first runs the bf16 model on those workloads in the same process (its own engine, shut down before the
+quantized one is built) and prints the ratios:
+
+    python examples/gpu/bench_suite.py --quantization gptq --workloads W2,W3 --scale 0.25 --compare-bf16 W2,W3 \
+        --out $OUT/w4_gptq.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -30,6 +41,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 from h200_check import LLAMA_8B_CONFIG  # noqa: E402
 
 ID_LOW, ID_HIGH = 1000, 120000
+
+# The quantization_config real checkpoints of each format carry (AutoGPTQ v1 symmetric; AutoAWQ GEMM).
+CHECKPOINT_QUANTIZATION: dict[str, dict[str, Any]] = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+
+
+def checkpoint_quantization(name: str | None) -> dict[str, Any] | None:
+    """The config.json quantization_config for `--quantization name`; None: none, or an on-the-fly method."""
+    if name is None:
+        return None
+    if name in CHECKPOINT_QUANTIZATION:
+        return CHECKPOINT_QUANTIZATION[name]
+    if name.startswith("gguf-"):  # random blocks of that type (plugins/quantization/gguf_blocks.random_blocks)
+        return {"quant_method": "gguf", "dummy_type": name.removeprefix("gguf-").upper()}
+    return None
 
 
 def make_prompts() -> dict[str, np.ndarray]:
@@ -117,63 +146,53 @@ def copy_bandwidth_gbs() -> float:
     return 2 * (1 << 32) / statistics.median(times) / 1e9
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pagedllm_suite.json"))
-    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
-    ap.add_argument("--scale", type=float, default=1.0, help="fraction of requests for W1/W2/W4/W5")
-    ap.add_argument("--backend", default="triton")
-    ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--vllm", help="bench_vllm.py's JSON from the same hour, for the side-by-side table")
-    ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
-    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
-    ap.add_argument("--quantization", default=None, help="quantization.method, e.g. fp8 (on-the-fly W8A8)")
-    args = ap.parse_args()
-    wanted = args.workloads.split(",")
-
-    os.makedirs(args.model_dir, exist_ok=True)
-    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
-        json.dump(LLAMA_8B_CONFIG, f)
-    result: dict[str, Any] = {"engine": "pagedllm", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "backend": args.backend, "quantization": args.quantization, "workloads": {}}
-    result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
-
-    from pagedllm import LLM, SamplingParams
+def start_engine(args: argparse.Namespace, quantization: str | None, utilization: float) -> tuple[Any, dict[str, Any]]:
+    """A dummy-weight engine on the 8B shape (config folder written here) and what it holds."""
+    from pagedllm import LLM
     from pagedllm.config import EngineConfig
 
+    qc = checkpoint_quantization(quantization)
+    model_dir = args.model_dir + (f"_{quantization}" if qc else "")  # one folder per config.json
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({**LLAMA_8B_CONFIG, "quantization_config": qc} if qc else LLAMA_8B_CONFIG, f)
     cfg = EngineConfig.from_dict({
-        "model": args.model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
+        "model": model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
         "attention": {"backend": args.backend}, "loader": {"name": "dummy"},
-        "kv_cache": {"gpu_memory_utilization": 0.9},
+        "kv_cache": {"gpu_memory_utilization": utilization},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]},
-        "quantization": {"method": args.quantization},
+        # A checkpoint-style method comes from config.json; an on-the-fly one (fp8) is forced here.
+        "quantization": {"method": None if qc else quantization},
     })
     t0 = time.perf_counter()
     llm = LLM(config=cfg)
-    result["startup_s"] = round(time.perf_counter() - t0, 2)
-    result["async_scheduling"] = llm.engine.core.async_scheduling
+    info: dict[str, Any] = {"startup_s": round(time.perf_counter() - t0, 2),
+                            "async_scheduling": llm.engine.core.async_scheduling}
     parts = llm.engine.parts
-    result["kv_cache_tokens"] = parts.num_blocks * parts.block_size
-    result["selections"] = parts.describe()
-    weight_bytes = sum(p.numel() * p.element_size() for p in parts.model.parameters())
-    result["weight_bytes"] = weight_bytes
-    result["w3_limit_ms"] = round(weight_bytes / (result["copy_bandwidth_gbs"] * 1e9) * 1e3, 3)
-    print(f"startup {result['startup_s']} s; KV {result['kv_cache_tokens']:,} tokens; "
-          f"copy {result['copy_bandwidth_gbs']} GB/s; W3 limit {result['w3_limit_ms']} ms", flush=True)
+    info["kv_cache_tokens"] = parts.num_blocks * parts.block_size
+    info["selections"] = parts.describe()
+    # Packed weights may live in integer buffers (GGUF blocks); float buffers are rotary tables, not weights.
+    model = parts.model
+    info["weight_bytes"] = (sum(p.numel() * p.element_size() for p in model.parameters())
+                            + sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_floating_point()))
+    return llm, info
 
-    prompts = make_prompts()
+
+def warm_up(llm: Any, prompts: dict[str, np.ndarray]) -> float:
+    from pagedllm import SamplingParams
+
     warm = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16, detokenize=False)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": [int(x) for x in row]} for row in prompts["warmup"]], warm, use_tqdm=False)
-    result["warmup_s"] = round(time.perf_counter() - t0, 2)
+    return round(time.perf_counter() - t0, 2)
 
+
+def run_workloads(llm: Any, wanted: list[str], prompts: dict[str, np.ndarray], scale: float) -> dict[str, Any]:
     def scaled(n: int) -> int:
-        return max(1, int(n * args.scale))
+        return max(1, int(n * scale))
 
-    w = result["workloads"]
+    w: dict[str, Any] = {}
     if "W1" in wanted:
         rows = prompts["W1"][: scaled(1000)]
         w["W1"] = run_lists(llm, "W1", [[int(x) for x in r] for r in rows], [128] * len(rows))
@@ -191,6 +210,66 @@ def main() -> int:
     if "W5" in wanted:
         p5, o5 = w5_prompts(scaled(1000))
         w["W5"] = run_lists(llm, "W5", p5, o5)
+    return w
+
+
+def bf16_baseline(args: argparse.Namespace, prompts: dict[str, np.ndarray], copy_gbs: float) -> dict[str, Any]:
+    """The bf16 model on `--compare-bf16`'s workloads, its engine shut down and its memory freed on return.
+
+    It runs first, with at most 45 % of the GPU: a build counts whatever is still allocated as in use, so if
+    anything outlived the shutdown the quantized engine after it would still find room for its KV cache."""
+    llm, info = start_engine(args, None, min(0.45, args.gpu_memory_utilization))
+    info["w3_limit_ms"] = round(info["weight_bytes"] / (copy_gbs * 1e9) * 1e3, 3)
+    info["warmup_s"] = warm_up(llm, prompts)
+    info["workloads"] = run_workloads(llm, args.compare_bf16.split(","), prompts, args.scale)
+    llm.shutdown()  # unfreezes the start-up objects (LLM.__del__ NOTE), so the collection below frees them
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pagedllm_suite.json"))
+    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of requests for W1/W2/W4/W5")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--vllm", help="bench_vllm.py's JSON from the same hour, for the side-by-side table")
+    ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--quantization", default=None,
+                    help="gptq | awq | gguf-<type> (dummy packed weights from a quantization_config) or an "
+                         "on-the-fly quantization.method such as fp8")
+    ap.add_argument("--compare-bf16", default=None, metavar="WORKLOADS",
+                    help="also run the bf16 model on these workloads first (e.g. W3 or W2,W3), same process")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = ap.parse_args()
+    wanted = args.workloads.split(",")
+
+    result: dict[str, Any] = {"engine": "pagedllm", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "backend": args.backend, "quantization": args.quantization,
+                              "quantization_config": checkpoint_quantization(args.quantization), "workloads": {}}
+    result["copy_bandwidth_gbs"] = round(copy_bandwidth_gbs(), 1)
+    prompts = make_prompts()
+
+    if args.compare_bf16 and args.quantization:
+        result["bf16"] = bf16_baseline(args, prompts, result["copy_bandwidth_gbs"])
+        gc.collect()
+        torch.cuda.empty_cache()
+        result["bf16"]["gpu_bytes_left_after"] = torch.cuda.memory_allocated()
+
+    llm, info = start_engine(args, args.quantization, args.gpu_memory_utilization)
+    result.update(info)
+    result["w3_limit_ms"] = round(result["weight_bytes"] / (result["copy_bandwidth_gbs"] * 1e9) * 1e3, 3)
+    print(f"startup {result['startup_s']} s; KV {result['kv_cache_tokens']:,} tokens; "
+          f"copy {result['copy_bandwidth_gbs']} GB/s; weights {result['weight_bytes'] / 1e9:.2f} GB; "
+          f"W3 limit {result['w3_limit_ms']} ms", flush=True)
+    if args.quantization:
+        result["w4a16_routes"] = w4a16_routes(args.quantization)
+        result["w4a16_graph_replay_max_diff"] = graph_replay_check(llm.engine.parts.model)
+    result["warmup_s"] = warm_up(llm, prompts)
+    result["workloads"] = run_workloads(llm, wanted, prompts, args.scale)
     llm.shutdown()
 
     vllm = None
@@ -202,6 +281,46 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def w4a16_routes(quantization: str) -> dict[str, str] | None:
+    """Which W4A16 kernel each decode batch size of the graph ladder takes (w4a16_kernel.w4a16_route)."""
+    qc = checkpoint_quantization(quantization)
+    if not qc or qc["quant_method"] not in ("gptq", "awq"):
+        return None
+    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_route
+    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+
+    layout = PackedLayout("gptq", 4, int(qc["group_size"]))  # AWQ runs repacked into the GPTQ order
+    return {str(m): w4a16_route(layout, m) for m in (1, 2, 4, 8, 16, 64, 96, 128, 512, 16384)}
+
+
+def graph_replay_check(model: Any) -> dict[str, Any] | None:
+    """One quantized linear (gate_up of layer 0) at 1, 16 and 128 rows -- the GEMV, GEMM and dequantize +
+    cuBLAS routes -- eager vs captured in a CUDA graph and replayed: max |difference| (0: graph-safe and
+    deterministic). The engine's own capture already ran these routes; this says which one broke, if any."""
+    layer = next((m for name, m in model.named_modules() if name.endswith("layers.0.mlp.gate_up_proj")), None)
+    if layer is None or "w4a16_layout" not in layer.__dict__:
+        return None
+    k = layer.qweight.shape[0] * layer.__dict__["w4a16_layout"].pack_factor
+    out: dict[str, Any] = {}
+    for m in (1, 16, 128):
+        try:
+            x = torch.randn(m, k, device=layer.qweight.device, dtype=layer.scales.dtype)
+            with torch.inference_mode():
+                eager = layer(x).clone()
+                layer(x)  # a second eager call: lazily made buffers (split-K tickets) exist before capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = layer(x)
+                graph.replay()
+                torch.cuda.synchronize()
+            out[str(m)] = float((captured.float() - eager.float()).abs().max())
+        except Exception as exc:  # noqa: BLE001 (reported in the JSON; the benchmark goes on)
+            out[str(m)] = f"error: {type(exc).__name__}: {exc}"
+    print(f"[graph replay vs eager, max |diff| by rows] {json.dumps(out)}", flush=True)
+    return out
 
 
 def _vllm_figure(vllm: dict[str, Any] | None, name: str) -> float | None:
@@ -227,7 +346,30 @@ def table(ours: dict[str, Any], vllm: dict[str, Any] | None) -> str:
         share = ours["w3_limit_ms"] / ours["workloads"]["W3"]["tpot_ms_median"]
         lines.append(f"| W3 vs weight-streaming limit {ours['w3_limit_ms']} ms | {share:.0%} of the limit | | |")
     lines.append(f"| start-up (s) | {ours['startup_s']} | {vllm.get('startup_s', '-') if vllm else '-'} | |")
+    if "bf16" in ours:
+        lines += bf16_lines(ours)
     return "\n".join(lines)
+
+
+def bf16_lines(ours: dict[str, Any]) -> list[str]:
+    """The quantized engine against the bf16 one of the same run (speed-up > 1: the quantized one is faster)."""
+    bf16, q = ours["bf16"], ours["quantization"]
+    lines = ["", f"| workload | {q} | bf16 (same process) | {q} speed-up |", "|---|---|---|---|"]
+    for name, row in bf16["workloads"].items():
+        mine = ours["workloads"].get(name)
+        theirs = row["tpot_ms_median"] if name == "W3" else row["total_tokens_per_s"]
+        if mine is None:
+            lines.append(f"| {name} | - | {theirs:,.2f} | |")
+            continue
+        mine_v = mine["tpot_ms_median"] if name == "W3" else mine["total_tokens_per_s"]
+        unit = "ms/token" if name == "W3" else "total tok/s"
+        ratio = theirs / mine_v if name == "W3" else mine_v / theirs
+        lines.append(f"| {name} ({unit}) | {mine_v:,.2f} | {theirs:,.2f} | {ratio:.2f}x |")
+    lines.append(f"| weight bytes (GB) | {ours['weight_bytes'] / 1e9:.2f} | {bf16['weight_bytes'] / 1e9:.2f} | "
+                 f"{bf16['weight_bytes'] / ours['weight_bytes']:.2f}x smaller |")
+    lines.append(f"| W3 weight-streaming limit (ms) | {ours['w3_limit_ms']} | {bf16['w3_limit_ms']} | |")
+    lines.append(f"| start-up (s) | {ours['startup_s']} | {bf16['startup_s']} | |")
+    return lines
 
 
 if __name__ == "__main__":

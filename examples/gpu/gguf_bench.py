@@ -17,6 +17,8 @@ exceed 256 MB, so each call reads its weight from HBM as a decode step does. Ran
 every f16 scale field set to a small positive value (the code bits are all valid). Predictions:
 docs/perf-notes.md §8.
 --dry-run: tiny shapes, float16, Triton interpreter, one call per point, no engine stage (checks the script).
+The engine on the Llama-3.1-8B shape with random Q4_0 blocks (single-stream decode against bf16):
+`python examples/gpu/bench_suite.py --quantization gguf-q4_0 --workloads W3 --compare-bf16 W3`.
 """
 
 from __future__ import annotations

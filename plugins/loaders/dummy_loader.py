@@ -3,6 +3,15 @@
 Weights are small (uniform in [-1e-3, 1e-3]) so activations stay finite through many layers, and drawn from
 a fixed seed so two runs of a benchmark see the same numbers.
 
+A quantized config works the same way: the quantization method creates its parameters on the target device
+(packed codes, zeros, scales, block placeholders) and this loader fills whatever was created, by dtype --
+floating point: small uniform noise; integer: uniformly random over the dtype's range (every bit pattern of
+a packed code word is a valid code). A parameter whose random bits would not be valid says how to fill it:
+
+    dummy_fill(tensor, generator)   fills a tensor of the parameter's (tp=1) shape in place (GPTQ's g_idx:
+                                    k // group_size; zero points: the format's midpoint)
+    dummy_load(generator)           the method loads random contents itself (GGUF's block placeholders)
+
 NOTE 1: with tensor parallelism a rank still draws every parameter's full (tp=1) tensor, in the tp=1 order,
 and keeps its slice through the layer's own `weight_loader`: the same seed gives the same model at any
 tensor_parallel_size (each rank does the whole draw, which costs time only at load).
@@ -53,10 +62,13 @@ class DummyLoader:
         else:
             generators: dict[torch.device, torch.Generator] = {}
             for _name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
-                if not param.is_floating_point():
-                    continue  # packed integer tensors of a quantized method: leave to that method
+                gen = self._generator(generators, param.device)
+                dummy_load = getattr(param, "dummy_load", None)
                 with torch.no_grad():
-                    param.uniform_(_LOW, _HIGH, generator=self._generator(generators, param.device))
+                    if dummy_load is not None:
+                        dummy_load(gen)
+                    else:
+                        fill_random(param.data, gen, getattr(param, "dummy_fill", None))
         process_weights_after_loading(module)
 
     def _generator(self, generators: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
@@ -80,11 +92,14 @@ class DummyLoader:
         params = dict(module.named_parameters())
         generators: dict[torch.device, torch.Generator] = {}
         for name, full_param in sorted(twin.named_parameters(), key=lambda item: item[0]):
-            if not full_param.is_floating_point():
-                continue
             param = params[name]
+            gen = self._generator(generators, param.device)
+            dummy_load = getattr(param, "dummy_load", None)
+            if dummy_load is not None:  # the method draws this rank's own contents (not a tp=1 slice)
+                dummy_load(gen)
+                continue
             full = torch.empty(full_param.shape, dtype=param.dtype, device=param.device)
-            full.uniform_(_LOW, _HIGH, generator=self._generator(generators, param.device))
+            fill_random(full, gen, getattr(full_param, "dummy_fill", None))
             layer = twin.get_submodule(name.rpartition(".")[0])
             loader = getattr(param, "weight_loader", None)
             with torch.no_grad():
@@ -98,6 +113,22 @@ class DummyLoader:
                         loader(param, piece, shard_id)
 
 
+def fill_random(tensor: torch.Tensor, generator: torch.Generator, dummy_fill: Any = None) -> None:
+    """Seeded random contents for one parameter: its own `dummy_fill`, else by dtype (module docstring)."""
+    with torch.no_grad():
+        if dummy_fill is not None:
+            dummy_fill(tensor, generator)
+        elif tensor.is_floating_point():
+            tensor.uniform_(_LOW, _HIGH, generator=generator)
+        elif tensor.dtype == torch.bool:
+            tensor.random_(0, 2, generator=generator)
+        elif tensor.dtype == torch.int64:
+            tensor.random_(generator=generator)  # [0, 2^63): the range's top is not representable as `to`
+        else:
+            info = torch.iinfo(tensor.dtype)
+            tensor.random_(info.min, info.max + 1, generator=generator)
+
+
 def _checkpoint_pieces(
     layer: torch.nn.Module, full_param: torch.Tensor, full: torch.Tensor
 ) -> list[tuple[Any, torch.Tensor]]:
@@ -106,5 +137,7 @@ def _checkpoint_pieces(
     sizes = getattr(layer, "output_partition_sizes", None)
     if output_dim is None or sizes is None or len(sizes) == 1:
         return [(None, full)]
+    if getattr(full_param, "packed_dim", None) == output_dim:  # several outputs per element (AWQ's qweight)
+        sizes = [size // full_param.pack_factor for size in sizes]  # type: ignore[attr-defined]
     ids: list[Any] = ["q", "k", "v"] if isinstance(layer, QKVParallelLinear) else list(range(len(sizes)))
     return list(zip(ids, full.split(sizes, dim=output_dim)))

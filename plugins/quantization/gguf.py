@@ -21,6 +21,10 @@ class GGUFOptions(BaseModel):
     cache_dequantized: bool = Field(
         False, description="types without a fast kernel: keep a float copy after the first call (memory for speed)"
     )
+    dummy_type: str = Field(
+        "Q4_0", description="load_format dummy: the GGUF block type of the random weights (Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0, Q2_K..Q6_K)"
+    )
     cpu_kernel: Literal["auto", "native", "aten"] = Field(
         "auto", description="Q4_0/Q4_1/Q8_0 on the CPU: 'native' = our C kernels (built at first use with the "
         "system C compiler; float32 activations), 'aten' = torch's int4/int8 kernels (bfloat16 activations), "

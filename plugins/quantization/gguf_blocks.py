@@ -76,6 +76,36 @@ class GGUFBlocks:
         return self.data.numel() * self.data.element_size()
 
 
+# Byte offsets of the f16 fields (scales d, minimums m / dmin) inside one block, per type (ggml-common.h);
+# every other byte of these types is a code or a packed sub-scale, for which any bit pattern is valid.
+F16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
+# Scales drawn from [2^-14, 2^-10]: normal f16 values, small enough that random codes keep a 32-layer model's
+# activations finite (Q4_0: |w| <= 8 x 2^-10; the K-quants' sub-scales multiply it, Q6_K up to ~4).
+_DUMMY_SCALE = (2.0**-14, 2.0**-10)
+
+
+def random_blocks(
+    ggml_type: GGMLQuantizationType, rows: int, cols: int, generator: torch.Generator, device: torch.device
+) -> GGUFBlocks:
+    """Valid random blocks of `ggml_type` for a [rows, cols] matrix, drawn on `device` (dummy weights): random
+    code bytes, every f16 field a small positive scale (random bytes there could be inf or NaN)."""
+    if ggml_type not in F16_FIELDS:
+        raise ValueError(f"no random blocks for {ggml_type.name} (supported: {', '.join(t.name for t in F16_FIELDS)})")
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    if cols % block:
+        raise ValueError(f"{ggml_type.name} holds {block} weights per block; {cols} columns are not a multiple")
+    data = torch.empty(rows, cols // block, type_size, dtype=torch.uint8, device=device)
+    data.random_(0, 256, generator=generator)
+    for offset in F16_FIELDS[ggml_type]:
+        scale = torch.empty(rows, cols // block, 1, dtype=torch.float16, device=device)
+        scale.uniform_(*_DUMMY_SCALE, generator=generator)
+        data[..., offset : offset + 2] = scale.view(torch.uint8)
+    return GGUFBlocks(data.reshape(rows, -1), ggml_type, (rows, cols))
+
+
 def _f16(raw: torch.Tensor, start: int) -> torch.Tensor:
     """A little-endian f16 field at byte `start` of every block, as float32 [..., 1]."""
     return raw[..., start : start + 2].contiguous().view(torch.float16).float()

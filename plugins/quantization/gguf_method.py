@@ -17,6 +17,9 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                                     aten's int4/int8 kernels, with a warning, where it cannot be built)
                 "native"         -- gguf_cpu.c or an error saying why not
                 "aten"           -- aten's kernels (bfloat16 activations; the path before gguf_cpu.c)
+    dummy_type: "Q4_0" (default) -- `load_format: dummy` (a config.json with quant_method "gguf", no file):
+                                    every matrix gets random blocks of this type (gguf_blocks.random_blocks),
+                                    drawn on the model's device
 
 On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf_triton.py (TritonKernel); any other
 type, or no Triton, falls back to a per-call dequantization, and the reason is logged once per type and kept
@@ -36,10 +39,12 @@ from torch import nn
 from pagedllm.layers.weight_utils import WeightLoadError, set_weight_attrs
 from pagedllm.plugins.quantization.gguf_blocks import (
     DENSE_TYPES,
+    F16_FIELDS,
     GGUFBlocks,
     Q,
     decode_blocks,
     dequantize_blocks,
+    random_blocks,
 )
 from pagedllm.plugins.quantization.gguf_kernels import (
     DenseKernel,
@@ -120,7 +125,14 @@ class GGUFConfig:
 
     name = "gguf"
 
-    def __init__(self, embedding: str = "keep", cache_dequantized: bool = False, cpu_kernel: str = "auto") -> None:
+    def __init__(
+        self, embedding: str = "keep", cache_dequantized: bool = False, cpu_kernel: str = "auto",
+        dummy_type: str = "Q4_0",
+    ) -> None:
+        if dummy_type.upper() not in {t.name for t in F16_FIELDS}:
+            raise ValueError(f"gguf: dummy_type must be one of {', '.join(t.name for t in F16_FIELDS)}, "
+                             f"not {dummy_type!r}")
+        self.dummy_type = Q[dummy_type.upper()]
         if embedding not in _EMBEDDING_MODES:
             raise ValueError(f"gguf: embedding must be one of {_EMBEDDING_MODES}, not {embedding!r}")
         if cpu_kernel not in _CPU_KERNELS:
@@ -140,6 +152,7 @@ class GGUFConfig:
             str(config.get("embedding", "keep")),
             bool(config.get("cache_dequantized", False)),
             str(config.get("cpu_kernel", "auto")),
+            str(config.get("dummy_type", "Q4_0")),
         )
 
     def native_library(self) -> Any:
@@ -192,8 +205,22 @@ class _PieceCollector:
         layer.__dict__["gguf_state"] = _LayerState(rows, cols, dtype, [None] * len(rows))
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         # The layer would slice a dense tensor; we take the whole piece, so this loader replaces the layer's.
-        set_weight_attrs(weight, {"method_loads": True, "weight_loader": self._loader(layer)})
+        set_weight_attrs(weight, {"method_loads": True, "weight_loader": self._loader(layer),
+                                  "dummy_load": self._dummy_loader(layer)})
         layer.register_parameter("weight", weight)
+
+    def _dummy_loader(self, layer: nn.Module) -> Any:
+        """Dummy weights (loaders/dummy_loader.py): every piece random blocks of `dummy_type`, on the device.
+
+        With tensor parallelism each rank draws its own pieces (not slices of the tp=1 draw)."""
+
+        def load(generator: torch.Generator) -> None:
+            state = _state(layer)
+            device = cast(torch.Tensor, layer.weight).device
+            state.pieces = [random_blocks(self.config.dummy_type, rows, state.cols, generator, device)
+                            for rows in state.rows]
+
+        return load
 
     def _loader(self, layer: nn.Module) -> Any:
         def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:

@@ -190,8 +190,19 @@ def w4a16_matmul(
     """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the GEMM
     between (NOTE 5)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if m > 0 and gemv_reason(layout, m, g_idx) is None:
+    route = w4a16_route(layout, m, g_idx)
+    if route == "gemv":
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
-    if m >= DEQUANT_MIN_M:
+    if route == "dequant":
         return w4a16_dequant_matmul(x, layout, qweight, qzeros, scales, g_idx, n)
     return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
+
+
+def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None) -> str:
+    """Which kernel w4a16_matmul runs for `m` rows (NOTE 5): "gemv", "gemm" or "dequant" (+ cuBLAS).
+
+    Each is CUDA-graph safe: launches and caching-allocator tensors of static shapes, no host sync (the GEMV's
+    split-K tickets are allocated at the eager warm-up before capture and reset by the kernel itself)."""
+    if m > 0 and gemv_reason(layout, m, g_idx) is None:
+        return "gemv"
+    return "dequant" if m >= DEQUANT_MIN_M else "gemm"

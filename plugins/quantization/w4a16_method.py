@@ -68,17 +68,31 @@ class PackedIntLinearMethod:
             qweight = _param(torch.empty(k // pf, n, dtype=torch.int32),
                              input_dim=0, output_dim=1, packed_dim=0, pack_factor=pf)
         qzeros = _param(torch.empty(groups, n // pf, dtype=torch.int32),
-                        input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf)
+                        input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf, dummy_fill=self._midpoint_zeros)
         # float16 in the checkpoint; held in the model dtype (exact for float32, the CPU dtype).
         scales = _param(torch.empty(groups, n, dtype=params_dtype), input_dim=0, output_dim=1)
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
         if lay.kind == "gptq":
-            g_idx = _param(torch.empty(k, dtype=torch.int32), method_loads=True)
+            g_idx = _param(torch.empty(k, dtype=torch.int32), method_loads=True, dummy_fill=self._plain_g_idx)
             set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer)})
             layer.register_parameter("g_idx", g_idx)
             layer.__dict__["g_idx_seen"] = False
+
+    def _midpoint_zeros(self, qzeros: torch.Tensor, generator: torch.Generator) -> None:
+        """Dummy weights (loaders/dummy_loader.py): every zero point at the format's midpoint 2^(bits-1),
+        as a symmetric checkpoint stores it (v1: minus one), so the random codes give zero-mean weights."""
+        lay = self.layout
+        zero = (1 << (lay.bits - 1)) - lay.zero_offset
+        word = sum(zero << (i * lay.bits) for i in range(lay.pack_factor))
+        qzeros.fill_(word - (1 << 32) if word >= 1 << 31 else word)  # the same 32 bits, signed
+
+    def _plain_g_idx(self, g_idx: torch.Tensor, generator: torch.Generator) -> None:
+        """Dummy weights: input k in group k // group_size (no act-order), as a desc_act false checkpoint."""
+        k = g_idx.shape[0]
+        group = self.layout.group_size if self.layout.group_size > 0 else k
+        torch.div(torch.arange(k, device=g_idx.device, dtype=torch.int32), group, rounding_mode="floor", out=g_idx)
 
     @staticmethod
     def _g_idx_loader(layer: nn.Module) -> Any:
