@@ -117,6 +117,44 @@ def test_tp2_gguf_equals_tp1(quantization: str | None, tmp_path: Path) -> None:
             assert abs(top[out.token_ids[agree]].logprob - top[tokens[agree]].logprob) <= 0.25 + 1e-6
 
 
+@pytest.mark.slow  # starts a rank-1 process
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
+def test_tp2_quantized_checkpoints_equal_tp1(method: str, tiny_root: Path) -> None:
+    """Packed formats shard as packed tensors: AWQ/GPTQ qweight/qzeros/scales by rows or whole groups of
+    columns, compressed-tensors FP8 weights with their per-channel scales. Greedy tp=2 == tp=1 (float32)."""
+    from quant_packers import write_quantized_llama
+    from test_quant_fp8 import ct_checkpoint
+    from tiny_models import make_tiny_model
+
+    src = make_tiny_model("llama", tiny_root)  # hidden 64, ffn 128: row-parallel shards of 32 and 64 inputs
+    folder = tiny_root / f"tp-{method}"
+    if method == "fp8":
+        ct_checkpoint(src, folder, "FP8_DYNAMIC")
+    elif not (folder / "config.json").exists():
+        write_quantized_llama(src, folder, method, bits=4, group_size=32, sym=method == "gptq")
+    tp1, llm1 = generate(str(folder), 1)
+    llm1.shutdown()
+    tp2, llm2 = generate(str(folder), 2)
+    try:
+        winner = llm2.engine.parts.selections["quantization"].winner.name
+        assert winner == ("compressed-tensors" if method == "fp8" else method)
+    finally:
+        llm2.shutdown()
+    assert tp2 == tp1
+
+
+def test_gptq_act_order_with_tp_is_refused_naming_the_field(tiny_root: Path) -> None:
+    from quant_packers import write_quantized_llama
+    from tiny_models import make_tiny_model
+
+    src = make_tiny_model("llama", tiny_root)
+    folder = tiny_root / "tp-gptq-actorder"
+    if not (folder / "config.json").exists():
+        write_quantized_llama(src, folder, "gptq", bits=4, group_size=32, sym=True, act_order=True)
+    with pytest.raises(Exception, match="desc_act"):
+        LLM(str(folder), tensor_parallel_size=2, **ENGINE)
+
+
 def test_gguf_blocks_split_only_on_block_boundaries() -> None:
     import gguf
     import numpy as np

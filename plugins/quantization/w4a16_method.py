@@ -76,7 +76,7 @@ class PackedIntLinearMethod:
         layer.register_parameter("scales", scales)
         if lay.kind == "gptq":
             g_idx = _param(torch.empty(k, dtype=torch.int32), method_loads=True, dummy_fill=self._plain_g_idx)
-            set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer)})
+            set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer, group)})
             layer.register_parameter("g_idx", g_idx)
             layer.__dict__["g_idx_seen"] = False
 
@@ -95,13 +95,16 @@ class PackedIntLinearMethod:
         torch.div(torch.arange(k, device=g_idx.device, dtype=torch.int32), group, rounding_mode="floor", out=g_idx)
 
     @staticmethod
-    def _g_idx_loader(layer: nn.Module) -> Any:
+    def _g_idx_loader(layer: nn.Module, group: int) -> Any:
         """Every fused piece sends its g_idx: they must agree (one input, so one act-order permutation)."""
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
             k = param.shape[0]
-            if loaded.shape[0] != k:  # a row-parallel shard (tp > 1 without act-order)
-                loaded = loaded.narrow(0, getattr(layer, "tp_rank", 0) * k, k)
+            if loaded.shape[0] != k:  # a row-parallel shard (tp > 1, so no act-order: see create_weights)
+                start = getattr(layer, "tp_rank", 0) * k
+                # The checkpoint numbers groups over the whole input; this rank's scales/zeros hold only its
+                # own k / group of them, from group start / group on.
+                loaded = loaded.narrow(0, start, k) - start // group
             if layer.__dict__["g_idx_seen"]:
                 if not torch.equal(param.data, loaded.to(param.dtype)):
                     raise WeightLoadError(
