@@ -230,6 +230,8 @@ class QKVParallelLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed over ranks, then the bias is added."""
 
+    input_is_sharded = True  # read by quant methods whose per-input metadata must then stay whole (GPTQ act-order)
+
     def __init__(
         self,
         ctx: ModelBuildContext,

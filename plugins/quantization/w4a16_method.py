@@ -49,9 +49,11 @@ class PackedIntLinearMethod:
         group = lay.group_size if lay.group_size > 0 else k
         if lay.group_size <= 0 and tp_size > 1:
             raise ValueError("gptq: group_size -1 (one group per row) with tensor parallelism is not supported")
-        if self.desc_act and tp_size > 1:
-            # g_idx names groups of the whole input; a row-parallel shard's scales cover only its own groups.
-            raise ValueError("gptq: desc_act (act-order) with tensor_parallel_size > 1 is not supported")
+        # NOTE: with act-order, g_idx names groups of the whole input and a row-parallel shard's inputs may
+        # belong to any of them: every rank then keeps the whole scales and zeros (not split along the input,
+        # as vLLM's GPTQ does) and its own slice of g_idx, looked up per input (the shard's groups are not
+        # group_size runs, so sort_act_order declines).
+        whole_groups = self.desc_act and tp_size > 1 and getattr(layer, "input_is_sharded", False)
         if k % group:
             raise ValueError(f"{lay.kind}: input size {k} is not a multiple of group_size {group}")
         for size in output_partition_sizes:
@@ -60,7 +62,8 @@ class PackedIntLinearMethod:
         if lay.kind == "gptq" and k % pf:
             raise ValueError(f"gptq: input size {k} is not a multiple of the pack factor {pf}")
         self._group = group
-        groups = k // group
+        groups = k * tp_size // group if whole_groups else k // group
+        in_dim = None if whole_groups else 0  # the loader narrows tensors along input_dim; None loads whole
         if lay.kind == "awq":
             qweight = _param(torch.empty(k, n // pf, dtype=torch.int32),
                              input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf)
@@ -68,15 +71,15 @@ class PackedIntLinearMethod:
             qweight = _param(torch.empty(k // pf, n, dtype=torch.int32),
                              input_dim=0, output_dim=1, packed_dim=0, pack_factor=pf)
         qzeros = _param(torch.empty(groups, n // pf, dtype=torch.int32),
-                        input_dim=0, output_dim=1, packed_dim=1, pack_factor=pf, dummy_fill=self._midpoint_zeros)
+                        input_dim=in_dim, output_dim=1, packed_dim=1, pack_factor=pf, dummy_fill=self._midpoint_zeros)
         # float16 in the checkpoint; held in the model dtype (exact for float32, the CPU dtype).
-        scales = _param(torch.empty(groups, n, dtype=params_dtype), input_dim=0, output_dim=1)
+        scales = _param(torch.empty(groups, n, dtype=params_dtype), input_dim=in_dim, output_dim=1)
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
         layer.register_parameter("scales", scales)
         if lay.kind == "gptq":
             g_idx = _param(torch.empty(k, dtype=torch.int32), method_loads=True, dummy_fill=self._plain_g_idx)
-            set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer, group)})
+            set_weight_attrs(g_idx, {"weight_loader": self._g_idx_loader(layer, 0 if whole_groups else group)})
             layer.register_parameter("g_idx", g_idx)
             layer.__dict__["g_idx_seen"] = False
 
@@ -95,16 +98,20 @@ class PackedIntLinearMethod:
         torch.div(torch.arange(k, device=g_idx.device, dtype=torch.int32), group, rounding_mode="floor", out=g_idx)
 
     @staticmethod
-    def _g_idx_loader(layer: nn.Module, group: int) -> Any:
-        """Every fused piece sends its g_idx: they must agree (one input, so one act-order permutation)."""
+    def _g_idx_loader(layer: nn.Module, renumber_group: int) -> Any:
+        """Every fused piece sends its g_idx: they must agree (one input, so one act-order permutation).
+
+        A row-parallel shard takes its slice; without act-order (`renumber_group` = group_size) its scales and
+        zeros hold only its own k / group groups, so the global group numbers are shifted to start at 0;
+        with act-order (0) the tables stay whole and so do the numbers (create_weights NOTE)."""
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
             k = param.shape[0]
-            if loaded.shape[0] != k:  # a row-parallel shard (tp > 1, so no act-order: see create_weights)
+            if loaded.shape[0] != k:
                 start = getattr(layer, "tp_rank", 0) * k
-                # The checkpoint numbers groups over the whole input; this rank's scales/zeros hold only its
-                # own k / group of them, from group start / group on.
-                loaded = loaded.narrow(0, start, k) - start // group
+                loaded = loaded.narrow(0, start, k)
+                if renumber_group:
+                    loaded = loaded - start // renumber_group
             if layer.__dict__["g_idx_seen"]:
                 if not torch.equal(param.data, loaded.to(param.dtype)):
                     raise WeightLoadError(
