@@ -151,10 +151,10 @@ class EngineConfig(_Section):
         "ops, for A/B runs; the dense CPU path always uses torch)",
     )
     dense_gemv: bool = Field(
-        False,
+        True,
         description="on CUDA, dense 16-bit linears and the LM head run a Triton split-K GEMV at decode sizes "
-        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py); false: "
-        "always cuBLAS (the default until examples/gpu/gemv_sweep.py has measured it)",
+        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py; W3 "
+        "4.86 -> 4.24 ms/token there); false: always cuBLAS",
     )
     cuda_graph_sizes: list[int] | None = Field(
         None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"

@@ -18,6 +18,9 @@ NOTE 3 (`gated_down`): a SwiGLU MLP at decode runs gate_up, SiLU-and-mul, down: 
 one ~1.5-2 us in a graph for 14,336 values. When the down projection would take the GEMV, the GEMV reads
 [gate | up] and forms silu(gate) * up itself, rounded as SiluAndMul rounds (dense_gemv_kernel NOTE 5): one
 launch fewer per layer, the same values. It uses the down projection's table entry and switch.
+Measured on the H200 it LOST: W3 4.307 ms/token folded vs 4.236 unfolded (the gated GEMV reads twice the
+activations per K step and its loads fill fewer registers' worth of weights), so it is off unless a model's
+activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch).
 """
 
 from __future__ import annotations
@@ -47,9 +50,27 @@ class DenseGemvBlocks(NamedTuple):
     split_k: int
 
 
-# (M, N, K) -> blocks, or None where cuBLAS wins: the H200 sweep's choices (`python examples/gpu/gemv_sweep.py`;
-# it prints this table's entries). Empty until measured: every shape takes default_blocks.
-GEMV_TABLE: dict[tuple[int, int, int], DenseGemvBlocks | None] = {}
+# (M, N, K) -> blocks, or None where cuBLAS wins: the H200 sweep's choices (`python examples/gpu/gemv_sweep.py`,
+# 2026-11-29 22:07 UTC, Llama-3.1-8B shapes, bf16, CUDA graphs, weights rotated past L2). M = 1: qkv 1.18x,
+# o 1.30x, gate_up 1.04x, down 1.13x, LM head 1.07x cuBLAS's time -- one layer 117.3 -> 106.3 us; M = 4 only
+# o gains. Through the engine W3 went 4.862 -> 4.236 ms/token (SiLU not folded: NOTE 3), tokens equal 64/64.
+GEMV_TABLE: dict[tuple[int, int, int], DenseGemvBlocks | None] = {
+    (1, 6144, 4096): DenseGemvBlocks(4, 1024, 4, 1),
+    (1, 4096, 4096): DenseGemvBlocks(4, 1024, 4, 1),
+    (1, 28672, 4096): DenseGemvBlocks(4, 2048, 8, 1),
+    (1, 4096, 14336): DenseGemvBlocks(4, 1024, 4, 1),
+    (1, 128256, 4096): DenseGemvBlocks(16, 1024, 4, 1),
+    (2, 6144, 4096): DenseGemvBlocks(2, 1024, 4, 1),
+    (2, 4096, 4096): DenseGemvBlocks(4, 1024, 4, 1),
+    (2, 28672, 4096): None,
+    (2, 4096, 14336): DenseGemvBlocks(4, 1024, 4, 1),
+    (2, 128256, 4096): DenseGemvBlocks(4, 2048, 8, 1),
+    (4, 6144, 4096): None,
+    (4, 4096, 4096): DenseGemvBlocks(2, 1024, 4, 1),
+    (4, 28672, 4096): None,
+    (4, 4096, 14336): None,
+    (4, 128256, 4096): None,
+}
 
 
 @functools.cache
@@ -117,7 +138,7 @@ def gated_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.
     method = getattr(down, "quant_method", None)
     if type(act) is not SiluAndMul or not isinstance(method, UnquantizedLinearMethod) or not method.dense_gemv:
         return None
-    if not getattr(act, "fold_into_gemv", True):  # an A/B run's per-layer off switch (gemv_sweep.py)
+    if not getattr(act, "fold_into_gemv", False):  # off by default (NOTE 3); gemv_sweep.py's A/B switch
         return None
     if not isinstance(down, (ReplicatedLinear, RowParallelLinear)) or down.bias is not None:
         return None

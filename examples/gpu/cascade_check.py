@@ -43,7 +43,8 @@ def main() -> int:
         suffix = torch.randint(10, 31000, (16 + i % 49,), generator=g).tolist()
         head = prefix if i % 6 else torch.randint(10, 31000, (640,), generator=g).tolist()
         prompts.append({"prompt_token_ids": head + suffix})
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, detokenize=False)
+    # top-2 logprobs: where on and off part, is the off run's top-two gap a near tie (rounding) or not (a bug)?
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
 
     used = {"steps": 0, "cascade_steps": 0}
     orig = cuda_graphs.shared_prefix
@@ -55,7 +56,8 @@ def main() -> int:
         return found
 
     cuda_graphs.shared_prefix = counting
-    tokens = {}
+    tokens: dict[str, list[list[int]]] = {}
+    logprobs: dict[str, list[Any]] = {}
     report: dict[str, Any] = {}
     for mode in ("on", "off"):
         cuda_graphs.CASCADE_MIN_TOKENS = 256 if mode == "on" else 1 << 30
@@ -66,6 +68,7 @@ def main() -> int:
         llm.generate([prompts[1]], SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        logprobs[mode] = [o.outputs[0].logprobs for o in outs]
         report[f"{mode}_decode_steps_with_cascade"] = f"{used['cascade_steps']}/{used['steps']}"
         llm.shutdown()
         del llm, outs
@@ -75,6 +78,20 @@ def main() -> int:
     report["tokens_equal"] = f"{same}/{sum(len(x) for x in tokens['on'])}"
     report["first_diff"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                             for x, y in zip(tokens["on"], tokens["off"])]
+    # Before the first difference: the largest on-vs-off change of the chosen token's logprob (rounding size?);
+    # at it: the off run's gap between its top two (a near tie lets rounding pick the other).
+    drift, gaps = 0.0, []
+    for r, first in enumerate(report["first_diff"]):
+        on, off = logprobs["on"][r], logprobs["off"][r]
+        upto = len(tokens["off"][r]) if first is None else first
+        for j in range(upto):
+            t = tokens["off"][r][j]
+            drift = max(drift, abs(on[j][t].logprob - off[j][t].logprob))
+        if first is not None:
+            top = sorted((lp.logprob for lp in off[first].values()), reverse=True)
+            gaps.append(round(top[0] - top[1], 4))
+    report["max_logprob_drift_before_parting"] = round(drift, 4)
+    report["off_top2_gap_where_parting"] = gaps
     print(json.dumps(report), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

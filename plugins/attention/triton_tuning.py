@@ -52,8 +52,14 @@ class AttentionConfig:
 
 
 DECODE = AttentionConfig(rows=16, tile_n=32, num_warps=4, num_stages=3)
-MIXED = AttentionConfig(rows=64, tile_n=64, num_warps=4, num_stages=3)
-PREFILL = AttentionConfig(rows=128, tile_n=64, num_warps=8, num_stages=5, reverse=True, k_rows=True)
+# NOTE 4 (measured, H200, examples/gpu/prefill_sweep.py, 2026-11-29 22:07 UTC, bf16, 32/8 heads, head 128):
+#   8 x 2048 causal: rows 64 tile 64 4 warps 2 stages K-as-rows 332.7 TFLOP/s, best of 40 configs (the
+#   128-row, 5-stage entry predicted by NOTE 1: 320.0; the v1 default 320.9); 1 x 8192: the same entry 385.1,
+#   rows 128 tile 128 8 warps 5 stages reverse 420.2 (a single long request is where 128 rows pay).
+#   Mixed (4 x 2048 prefill + 256 decodes at 2048 context): rows 64 tile 32 4 warps 5 stages reverse +
+#   K-as-rows 161.9 against 140.2 for the earlier MIXED entry.
+MIXED = AttentionConfig(rows=64, tile_n=32, num_warps=4, num_stages=5, reverse=True, k_rows=True)
+PREFILL = AttentionConfig(rows=64, tile_n=64, num_warps=4, num_stages=2, k_rows=True)
 
 MIXED_MIN_TOKENS_PER_REQ = 4  # above: MIXED (the v1 kernel's "prefill-heavy" rule)
 PREFILL_MIN_TOKENS_PER_REQ = 128  # at or above: PREFILL
