@@ -52,6 +52,25 @@ from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
 
 
 @triton.jit
+def sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One n block's float32 split-K partials, laid out [split, row, n], summed in split order (NOTE 2: the
+    same bits every run); read through L2 (`.cg`), where the other programs' stores landed. Also the W4A16
+    GEMV's (w4a16_gemv_tiled.py NOTE 3)."""
+    t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t1, t2, t3 = t0, t0, t0
+    for split in range(SPLITS):
+        src = part_ptr + split * MN + offs_n
+        t0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if ROWS > 1:
+            t1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if ROWS > 2:
+            t2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if ROWS > 3:
+            t3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+    return t0, t1, t2, t3
+
+
+@triton.jit
 def _load_x(x_ptr, kk, k_ok, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(x_ptr + kk).to(tl.float32)
@@ -154,17 +173,7 @@ def _dense_gemv_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:
-            t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            t1, t2, t3 = t0, t0, t0
-            for split in range(SPLITS):  # split order: the same bits every run
-                src = part_ptr + split * MN + offs_n
-                t0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 1:
-                    t1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 2:
-                    t2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 3:
-                    t3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
             _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 

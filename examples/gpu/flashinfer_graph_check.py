@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from h200_check import LLAMA_8B_CONFIG, make_model_dir  # noqa: E402
+from tp_check import single_stream  # noqa: E402  (bench_suite's W3: the engine stepped by hand)
 
 T0 = time.time()
 RESULTS: dict[str, Any] = {"stages": {}}
@@ -258,25 +259,6 @@ def stage_engine(root: str) -> str:
 
 
 # ------------------------------------------------------------------------------ w: W3 single stream
-def single_stream(llm: Any, ids: list[int], out_len: int, rid: str) -> float:
-    """ms per output token after the first, one request alone, engine stepped by hand (bench_suite's W3)."""
-    from pagedllm import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len, detokenize=False)
-    stamps: list[float] = []
-    seen = 0
-    engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        t = time.perf_counter()
-        for o in outs:
-            n = len(o.outputs[0].token_ids)
-            stamps.extend([t] * (n - seen))
-            seen = n
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
-
-
 def stage_w3(root: str, small_path: str | None, out_len: int, model: str) -> None:
     if model == "small" and small_path is not None:
         path, dummy = small_path, False
@@ -291,8 +273,8 @@ def stage_w3(root: str, small_path: str | None, out_len: int, model: str) -> Non
             key = f"{backend}_{'eager' if eager else 'graphs'}"
             try:
                 eng = Engine(path, backend, eager, dummy=dummy, max_len=1024)
-                single_stream(eng.llm, prompts[0], 16, f"{key}-warm")
-                reps = [single_stream(eng.llm, prompts[i + 1], out_len, f"{key}-{i}") for i in range(3)]
+                single_stream(eng.llm.engine, prompts[0], 16, f"{key}-warm")
+                reps = [single_stream(eng.llm.engine, prompts[i + 1], out_len, f"{key}-{i}") for i in range(3)]
                 rows[key] = {"ms_per_token": round(statistics.median(reps), 3), "reps": [round(r, 3) for r in reps],
                              "graph_replays": eng.replays, "startup_s": eng.startup_s}
                 eng.close()

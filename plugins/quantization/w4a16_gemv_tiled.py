@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.dense_gemv_kernel import sum_split_partials
 from pagedllm.plugins.quantization.w4a16_gemv import GemvBlocks, _as_biased_float
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
@@ -264,17 +265,7 @@ def _w4a16_gemv_tiled_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:
-            t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            t1, t2, t3 = t0, t0, t0
-            for split in range(SPLITS):  # split order: the same bits every run
-                part = part_ptr + split * MN + offs_n
-                t0 += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 1:
-                    t1 += tl.load(part + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 2:
-                    t2 += tl.load(part + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if ROWS > 3:
-                    t3 += tl.load(part + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
             _store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
