@@ -101,3 +101,21 @@ def test_fa4_arguments_match_the_torch_reference(opts: dict[str, Any]) -> None:
     out = torch.full_like(q, float("nan"))
     FlashAttnImpl(layer, FA4, fa4_contract)._attend(q, cache, out, FlashAttnMetadata(common, None))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "graphs"), [("fa4", True), ("fa3", False), ("fa2", False)])
+def test_only_fa4_declares_cuda_graphs(monkeypatch: pytest.MonkeyPatch, name: str, graphs: bool) -> None:
+    """fa4 reads context lengths from device tensors only (capturable); fa2 takes max_seqlen_k as a host int a
+    graph would freeze, fa3 never ran here: preload() declares graphs for the variant this GPU runs."""
+    from pagedllm.plugins.attention import flash_attn_backend as fab
+
+    variant = flash_attn.Variant(name, "m", "d", "1", (9, 0), 12, 1)
+    monkeypatch.setattr(flash_attn, "installed_variants", lambda: [variant])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fab, "_loaded", lambda v: None)
+    monkeypatch.setattr(fab.FlashAttnBackend, "supports_cuda_graphs", False)  # restored after the test
+    fab.preload()
+    assert fab.FlashAttnBackend.supports_cuda_graphs is graphs
+    assert fab.FlashAttnBackend.cuda_graph_max_query_len == 1
