@@ -129,16 +129,16 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def gated_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
     """down(silu(gate) * up) as one GEMV that forms the activation on the fly (NOTE 3), or None when the
     module rule does not take it (the caller then runs the activation and the projection as usual)."""
+    if not getattr(act, "fold_into_gemv", False):  # off by default (NOTE 3); gemv_sweep.py's A/B switch
+        return None  # first: every other call pays one attribute lookup per layer
     if gate_up.device.type != "cuda" or not getattr(getattr(down, "quant_method", None), "dense_gemv", False):
-        return None  # before the imports: the CPU path pays one attribute lookup per layer
+        return None
     from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.linear import ReplicatedLinear, RowParallelLinear
     from pagedllm.layers.unquantized import UnquantizedLinearMethod
 
     method = getattr(down, "quant_method", None)
     if type(act) is not SiluAndMul or not isinstance(method, UnquantizedLinearMethod) or not method.dense_gemv:
-        return None
-    if not getattr(act, "fold_into_gemv", False):  # off by default (NOTE 3); gemv_sweep.py's A/B switch
         return None
     if not isinstance(down, (ReplicatedLinear, RowParallelLinear)) or down.bias is not None:
         return None

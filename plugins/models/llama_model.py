@@ -77,7 +77,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # At decode sizes on CUDA the down GEMV may form silu(gate) * up itself: one launch fewer.
+        # The down GEMV may form silu(gate) * up itself (one launch fewer); off unless switched on: it measured
+        # slower on the H200 (layers/dense_gemv.py NOTE 3).
         fused = gated_down(self.act_fn, self.down_proj, gate_up)
         return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
