@@ -10,8 +10,9 @@ import sys
 import pytest
 
 
-def compile_offline(code: str) -> None:
-    """Run `code` (which prints 'ok' when every kernel compiled) in a child; skip where triton cannot."""
+def compile_offline(code: str) -> str:
+    """Run `code` (which prints 'ok' when every kernel compiled) in a child; skip where triton cannot. Returns
+    the child's stdout (register counts and the like, for the test to show)."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
@@ -21,3 +22,4 @@ def compile_offline(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+    return proc.stdout

@@ -86,8 +86,8 @@ def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int
     for m in ms:
         for dtype in (torch.float32, torch.float16):
             x = torch.randn(m, k, generator=g).to(dtype)
-            # The GEMV with the 8B shapes' tiles (fewer interpreted programs), but Q4_0 through the kernel's own
-            # dispatch and tiles (BLOCK_N = 4 for N = 40).
+            # The element-wise GEMV with the 8B shapes' tiles (fewer interpreted programs), but Q4_0 through the
+            # kernel's own dispatch: the block-wise GEMV at M = 1, 3 (gguf_block_gemv.py), the scratch at 64.
             y = gguf_gemv(x, data, int(t), n, gemv_blocks(4096, m)) if m <= 8 and t != t.Q4_0 else kernel.forward(x)
             w_ref = ref_w.to(dtype).double() if m > 8 else ref_w.double()  # the scratch holds W in x's dtype
             ref = x.double() @ w_ref.t()
@@ -100,7 +100,49 @@ def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int
     return out
 
 
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf_block_gemv.py's types
+BLOCK_N_ROWS, BLOCK_K = 37, 32 * 9  # odd N; nine 32-weight blocks: not a multiple of BLOCK_B = 8 blocks
+# (M, tiles): the default tiles (five n blocks, one partial step of 32 blocks, no split), BLOCK_B = 8 with
+# split-K 2 (one full step, then one block; one or three n blocks) and one 64-row program (27 rows masked):
+# every M from 1 to 4, float32 for odd M, float16 for even. Few programs: the interpreter's cost.
+_BLOCK_CASES = [(1, None), (2, (64, 8, 1, 2)), (3, (16, 8, 1, 2)), (4, (64, 32, 1, 1))]
+
+
+def _block_check(name: str, seed: int) -> dict[str, Any]:
+    """The block-wise GEMV against x @ W^T, W gguf-py's dequantization of gguf-py's quantization, in float64."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagedllm.plugins.quantization.gguf_block_gemv import gguf_block_gemv
+
+    t = GGMLQuantizationType[name]
+    n, k = BLOCK_N_ROWS, BLOCK_K
+    rng = np.random.default_rng(seed)
+    blocks = quantize(rng.standard_normal((n, k)).astype(np.float32), t)
+    ref_w = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, t), dtype=np.float32).reshape(n, k)).double()
+    data = torch.from_numpy(np.ascontiguousarray(blocks))
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for m, tiles in _BLOCK_CASES:
+        dtype = torch.float32 if m % 2 else torch.float16
+        x = torch.randn(m, k, generator=g).to(dtype)
+        y = gguf_block_gemv(x, data, int(t), n, tiles)
+        ref = x.double() @ ref_w.t()
+        size = x.double().abs() @ ref_w.abs().t()
+        ulp16 = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+        bound = 1e-6 * size + (ulp16 if dtype == torch.float16 else 0.0)
+        out[f"m{m}"] = {"shape": list(y.shape), "dtype": str(y.dtype),
+                        "worst_over_bound": float(((y.double() - ref).abs() / bound).max())}
+        if m == 3:  # split-K: a second run gives the same bits
+            out["same_bits"] = bool(torch.equal(y, gguf_block_gemv(x, data, int(t), n, tiles)))
+    return out
+
+
 def _run(chunk: int) -> dict[str, Any]:
+    if chunk < 0:  # the block-wise GEMV's cases
+        return {name: _block_check(name, 200 + i) for i, name in enumerate(BLOCK_TYPES)}
     results: dict[str, Any] = {}
     for i, name in enumerate(TYPES):
         if i % CHUNKS == chunk:
@@ -147,6 +189,35 @@ def test_smollm2_matrix() -> None:
     _assert_case(got, (1, 64), 192)
 
 
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_block_gemv_equals_gguf_reference(name: str) -> None:
+    """gguf_block_gemv.py within 1e-6 sum |x| |w| (+ half an fp16 ulp) of x @ W^T, M = 1..4, split-K, same bits."""
+    got = dict(_chunk_results(-1)[name])
+    for m, _ in _BLOCK_CASES:
+        case = got[f"m{m}"]
+        assert case["shape"] == [m, BLOCK_N_ROWS], case
+        assert case["dtype"] == ("torch.float32" if m % 2 else "torch.float16"), case
+        assert case["worst_over_bound"] <= 1.0, (m, case)
+    assert got["same_bits"], got
+
+
+def test_block_gemv_selection() -> None:
+    """Pure Python: gguf_gemv hands the 32-weight types at M <= 4 to the block-wise GEMV, the rest not."""
+    import torch
+
+    from pagedllm.plugins.quantization.gguf_block_gemv import BLOCK_TYPES as IDS
+    from pagedllm.plugins.quantization.gguf_block_gemv import block_reason, block_tiles
+    from pagedllm.plugins.quantization.gguf_blocks import Q
+
+    assert {Q(t).name for t in IDS} == set(BLOCK_TYPES)
+    blocks = torch.zeros(4, 18 * 4, dtype=torch.uint8)
+    assert all(block_reason(torch.zeros(m, 128), blocks, int(Q.Q4_0)) is None for m in (1, 4))
+    assert block_reason(torch.zeros(5, 128), blocks, int(Q.Q4_0)) is not None
+    assert block_reason(torch.zeros(1, 256), blocks, int(Q.Q4_K)) is not None
+    # the 8B shapes: split-K only where the column blocks alone leave SMs idle
+    assert block_tiles(28672, 4096, 1)[3] == 1 and block_tiles(4096, 4096, 1)[3] > 1
+
+
 def test_selection_reasons() -> None:
     """Pure Python: the CUDA selector takes every covered type and names the reason for the rest."""
     import torch
@@ -189,6 +260,39 @@ def test_compiles_for_sm90() -> None:
         "print('ok')\n"
     )
     compile_offline(code)
+
+
+def test_block_gemv_compiles_for_sm90() -> None:
+    """The block-wise GEMV through Triton and ptxas for sm_90a (offline), bf16 activations, split-K on: every type
+    at M = 1, the two most register-hungry at M = 4; no spills (registers per variant printed by the child)."""
+    code = (
+        "import os, re, subprocess, tempfile, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.quantization import gguf_block_gemv as g\n"
+        "fn = g._gguf_block_gemv_kernel\n"
+        "ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas-blackwell')\n"
+        "for t, rows in [(t, 1) for t in g.BLOCK_TYPES] + [(2, 4), (7, 4)]:\n"
+        "    bn, bb, warps, _ = g.block_tiles(4096, 4096, rows)\n"
+        "    cons = dict(TYPE=t, TS=g.BLOCK_TYPES[t], ROWS=rows, BLOCK_N=bn, BLOCK_B=bb, FUSED_SPLIT=True)\n"
+        "    ptrs = {'x_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32', 'ticket_ptr': '*i32'}\n"
+        "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
+        "           for a in fn.arg_names}\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
+        "             if a.endswith('_ptr') or a.startswith('stride')}\n"
+        "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys, attrs=attrs),\n"
+        "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': warps})\n"
+        "    if os.path.exists(ptxas):\n"
+        "        with tempfile.TemporaryDirectory() as tmp:\n"
+        "            open(os.path.join(tmp, 'k.ptx'), 'w').write(k.asm['ptx'])\n"
+        "            r = subprocess.run([ptxas, '-arch=sm_90a', '-v', os.path.join(tmp, 'k.ptx'), '-o',\n"
+        "                                os.path.join(tmp, 'k.cubin')], capture_output=True, text=True)\n"
+        "        assert r.returncode == 0 and '0 bytes spill stores' in r.stderr, r.stderr\n"
+        "        print(t, rows, re.search(r'Used \\d+ registers', r.stderr).group(0))\n"
+        "print('ok')\n"
+    )
+    print(compile_offline(code))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """GGUF kept quantized on CUDA (plugins/quantization/gguf_triton.py) against bf16: per matrix and in the engine.
 
     python examples/gpu/gguf_bench.py --out $OUT/gguf.json                  # H200, < 4 minutes
+    python examples/gpu/gguf_bench.py --stages block --out $OUT/gguf_block.json   # H200, stage 4 alone, < 150 s
     python examples/gpu/gguf_bench.py --dry-run --out /tmp/gguf.json        # CPU, Triton interpreter, tiny shapes
 
   1. exactness on the GPU: gguf_dequantize (float32) of each type against gguf-py's numpy dequantization of
@@ -12,6 +13,10 @@
      against bf16 F.linear on the same shapes; error = max |y - ref| / max |ref| with ref = x @ W (float32)
   3. the engine: the embedded SmolLM2 Q4_1 GGUF, batch 1, greedy, 128 tokens, dequantized at load (the CUDA
      default) vs `quantization="gguf"` (the Triton kernels): decode tok/s, resident weight bytes, same tokens?
+  4. the block-wise GEMV (gguf_block_gemv.py) beside the element-wise one (gguf_triton.py's, forced with its
+     tiles) and bf16 F.linear: Llama-3.1-8B qkv, o, gate_up, down and the 128,256 x 4096 LM head in Q4_0, Q4_1,
+     Q8_0 at M = 1, 2, 4; µs per call, weight GB/s, error of each against x @ W (float32), and per 8B layer
+     (qkv + o + gate_up + down) the sum. Predictions: docs/perf-notes.md §8, "Second pass".
 Timing: a CUDA graph of ~100 calls replayed 5 times (median), rotating over copies of the weight that together
 exceed 256 MB, so each call reads its weight from HBM as a decode step does. Random blocks: random bytes with
 every f16 scale field set to a small positive value (the code bits are all valid). Predictions:
@@ -86,6 +91,7 @@ def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.d
 
     from pagedllm.plugins.quantization.gguf_triton import gguf_dequantize, gguf_matmul
 
+    plan: list[tuple[str, dict[str, tuple[int, int]], list[str], tuple[int, ...]]]
     if args.dry_run:
         plan = [("tiny", SHAPES_TINY, ["Q4_0", "Q4_K"], (1, 4, 16))]
     else:
@@ -124,6 +130,66 @@ def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.d
     return rows
 
 
+def block_gemv(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Stage 4: µs per call, block-wise vs element-wise GEMV vs bf16, the 8B shapes (module doc)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedllm.plugins.quantization.gguf_block_gemv import block_tiles, gguf_block_gemv
+    from pagedllm.plugins.quantization.gguf_triton import gemv_blocks, gguf_dequantize, gguf_gemv
+
+    ms: tuple[int, ...]
+    if args.dry_run:
+        shapes, types, ms = SHAPES_TINY, ["Q4_0"], (1, 4)
+    else:
+        shapes, types, ms = SHAPES_8B | {"lm_head": (128256, 4096)}, ["Q4_0", "Q4_1", "Q8_0"], (1, 2, 4)
+    rows: list[dict[str, Any]] = []
+    for shape_name, (n, k) in shapes.items():
+        copies = 1 if args.dry_run else max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+        dense = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
+        xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in ms}
+        bf16_us = {m: round(timer.us_per_call([functools.partial(F.linear, xs[m], w) for w in dense]), 2) for m in ms}
+        del dense
+        for ti, name in enumerate(types):
+            t = int(GGMLQuantizationType[name])
+            qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+            qbytes = n * k // qk * ts
+            qcopies = 1 if args.dry_run else max(2, math.ceil(ROTATE_BYTES / qbytes))
+            sets = [random_blocks(name, n, k, device, ti + 100 * c) for c in range(qcopies)]
+            w32 = gguf_dequantize(sets[0], t, k, torch.float32)
+            for m in ms:
+                x = xs[m]
+                ref = x.float() @ w32.t()
+                scale = float(ref.abs().max().clamp(min=1e-30))
+                tiles = gemv_blocks(n, m)
+                row: dict[str, Any] = {"shape": shape_name, "n": n, "k": k, "m": m, "type": name,
+                                       "block_tiles": list(block_tiles(n, k, m))}
+                for label, fn in (("block", functools.partial(gguf_block_gemv)),
+                                  ("elementwise", functools.partial(gguf_gemv, tiles=tiles))):
+                    y = fn(x, sets[0], t, n)
+                    row[f"{label}_err"] = float((y.float() - ref).abs().max()) / scale
+                    us = timer.us_per_call([functools.partial(fn, x, b, t, n) for b in sets])
+                    row[f"{label}_us"] = round(us, 2)
+                    row[f"{label}_gb_s"] = round(qbytes / us / 1e3, 1)
+                row["bf16_us"] = bf16_us[m]
+                row["block_vs_elementwise"] = round(row["elementwise_us"] / row["block_us"], 2)
+                row["block_vs_bf16"] = round(row["bf16_us"] / row["block_us"], 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del sets, w32
+    layers = []  # per 8B decoder layer: the four matrices summed
+    for name in types:
+        for m in ms:
+            pick = [r for r in rows if r["type"] == name and r["m"] == m and r["shape"] in SHAPES_8B]
+            if len(pick) == len(SHAPES_8B):
+                layers.append({"type": name, "m": m, **{f"layer_{key}": round(sum(r[key] for r in pick), 1)
+                                                        for key in ("block_us", "elementwise_us", "bf16_us")}})
+    print("\n type  M  layer µs: block  element-wise  bf16   (block vs bf16)")
+    for lay in layers:
+        print(f" {lay['type']:5} {lay['m']}  {lay['layer_block_us']:16} {lay['layer_elementwise_us']:13} "
+              f"{lay['layer_bf16_us']:6}   {lay['layer_bf16_us'] / lay['layer_block_us']:.2f}x", flush=True)
+    return {"rows": rows, "layers": layers}
+
+
 def engine(max_tokens: int) -> dict[str, Any]:
     """Stage 3: the embedded SmolLM2 Q4_1 GGUF, dequantized at load vs kept quantized (Triton), batch 1."""
     from pagedllm import LLM, SamplingParams
@@ -159,6 +225,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="skip stage 3")
+    ap.add_argument("--stages", default="exact,matrices,engine,block",
+                    help="comma list of exact, matrices, engine, block (stages 1-4)")
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     device = "cpu" if args.dry_run else "cuda"
@@ -168,10 +236,15 @@ def main() -> None:
         "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    result["exactness"] = exactness(device)
-    print(json.dumps(result["exactness"]), flush=True)
-    result["matrices"] = matrices(args, timer, device, dtype)
-    if not args.dry_run and not args.no_engine:
+    stages = set(args.stages.split(","))
+    if "exact" in stages:
+        result["exactness"] = exactness(device)
+        print(json.dumps(result["exactness"]), flush=True)
+    if "matrices" in stages:
+        result["matrices"] = matrices(args, timer, device, dtype)
+    if "block" in stages:
+        result["block_gemv"] = block_gemv(args, timer, device, dtype)
+    if "engine" in stages and not args.dry_run and not args.no_engine:
         result["engine"] = engine(args.max_tokens)
         print(json.dumps({k: v for k, v in result["engine"].items() if k != "tokens"}, default=str), flush=True)
     with open(args.out, "w") as f:
