@@ -26,8 +26,8 @@ H200 (FlashInfer 0.6.8.post1 and 0.7.4) over this layout with random page ids, w
 float32 reference. This module's CSR construction is tested on the CPU against the torch backend
 (tests/test_attention_selection.py). On the H200 (docs/benchmarks.md, issue 8) this class's forward ran
 against the torch backend on mixed, window, soft-cap and fp8 batches within bf16 rounding and at 0.97x / 0.93x
-of the anchor's decode / prefill speed (examples/gpu/attn_backends_check.py); engine greedy tokens did not
-finish there.
+of the anchor's decode / prefill speed (examples/gpu/attn_backends_check.py), and the engine's greedy tokens
+on SmolLM2's real weights equal the torch backend's (4 prompts x 64 tokens, float16).
 
 CUDA graphs (NOTE 3): pure-decode steps replay the runner's captured decode graphs, as vLLM's FlashInfer
 backend does. For each captured batch size P the graph's metadata (`build_graph_metadata`) owns a
@@ -42,8 +42,10 @@ prefill steps (and speculative q > 1 steps: cuda_graph_max_query_len = 1) stay e
 Every plan() first waits on an event recorded after the same wrapper's previous plan: plan() copies its
 schedule out of the wrapper's page-locked buffer asynchronously, and with async scheduling the next step is
 planned while the previous one's copies may still be queued.
-Verified on the CPU only (tests/test_flashinfer_graphs.py, against a stand-in for the wrapper that reads its
-graph buffers as the captured kernels do); not yet run on a GPU: examples/gpu/flashinfer_graph_check.py.
+Verified on the CPU (tests/test_flashinfer_graphs.py, against a stand-in for the wrapper that reads its graph
+buffers as the captured kernels do) and on the H200 (examples/gpu/flashinfer_graph_check.py): replays equal
+eager FlashInfer exactly and the torch backend within 3.1e-3, greedy tokens with graphs equal eager, W3 (8B)
+4.93 ms/token with graphs vs 20.9 eager; each replay's plan() costs 0.5-0.8 ms of host time.
 Cascade / shared-prefix attention is not used yet.
 """
 
