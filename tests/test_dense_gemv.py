@@ -16,13 +16,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from typing import Any, cast
 
 import pytest
 import torch
+from interpreter_child import run_interpreted
 from offline_compile import compile_offline
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -44,6 +42,7 @@ def _run() -> dict[str, Any]:
     import torch.nn.functional as F
 
     from pagedllm.layers import dense_gemv_kernel as kernel
+    from pagedllm.layers import split_k
 
     results: dict[str, Any] = {}
     for i, (name, m, n, k, dtype_name, has_bias, blocks, gated) in enumerate(CASES):
@@ -65,7 +64,7 @@ def _run() -> dict[str, Any]:
         # gated float16: silu's exp may round an input differently from torch's (an ulp of x, not of y)
         bound = (2e-4 if gated and dtype == torch.float16 else 2e-7) * size + ulp
         torch_y = F.linear(x, w, b)  # the two-launch path on the CPU
-        tickets = kernel._TICKETS.get(x.device)
+        tickets = split_k._TICKETS.get(x.device)
         results[name] = {
             "dtype": str(y.dtype), "shape": list(y.shape),
             "worst_over_bound": float((err / bound).max()),
@@ -88,12 +87,7 @@ def _run() -> dict[str, Any]:
 
 @functools.cache
 def _results() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return dict(run_interpreted(__file__))
 
 
 @needs_triton

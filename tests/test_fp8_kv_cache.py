@@ -16,12 +16,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
+from interpreter_child import run_interpreted
 
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.worker.input_prep import prepare_inputs
@@ -112,11 +112,7 @@ def test_fp8_store_saturates_instead_of_overflowing() -> None:
 def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=400,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(run_interpreted(__file__, timeout=400))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from interpreter_child import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -71,10 +69,7 @@ def _run() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def kernel_results() -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return dict(run_interpreted(__file__))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -18,13 +18,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
-from offline_compile import compile_offline
+from interpreter_child import run_interpreted
+from offline_compile import PTXAS_SM90A, compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -127,12 +126,7 @@ def _run(chunk: int) -> dict[str, Any]:
 
 @functools.cache
 def _chunk_results(chunk: int) -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(chunk)], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return dict(run_interpreted(__file__, str(chunk)))
 
 
 def _result(name: str) -> dict[str, Any]:
@@ -195,14 +189,12 @@ def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_compiles_for_sm90() -> None:
     """The kernel through Triton's compiler for sm_90 (offline: no GPU), bf16 output, the 8B layers' layout
     (4-bit GPTQ order, group 128, one-group tiles), act-order, 8 bits and AWQ's own order: no spills."""
-    code = (
-        "import os, subprocess, tempfile, triton\n"
+    code = PTXAS_SM90A + (
+        "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from pagedllm.plugins.quantization import w4a16_dequant as d\n"
         "fn = d._w4a16_dequant_kernel\n"
-        # the wheel's plain ptxas (8.8) is older than the PTX this triton writes; ptxas-blackwell reads it
-        "ptxas = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'ptxas-blackwell')\n"
         "for bits, awq, gidx, one, bc in ((4, False, False, True, 128), (4, False, True, False, 128),\n"
         "                                 (8, False, False, True, 128), (4, True, False, True, 32)):\n"
         "    cons = dict(GROUP_SIZE=128, BITS=bits, AWQ=awq, HAS_G_IDX=gidx, ONE_GROUP=one, ZERO_OFFSET=1,\n"
@@ -214,12 +206,7 @@ def test_compiles_for_sm90() -> None:
         "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names) if a not in cons}\n"
         "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys, attrs=attrs),\n"
         "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
-        "    if os.path.exists(ptxas):\n"
-        "        with tempfile.TemporaryDirectory() as tmp:\n"
-        "            open(os.path.join(tmp, 'k.ptx'), 'w').write(k.asm['ptx'])\n"
-        "            r = subprocess.run([ptxas, '-arch=sm_90a', '-v', os.path.join(tmp, 'k.ptx'), '-o',\n"
-        "                                os.path.join(tmp, 'k.cubin')], capture_output=True, text=True)\n"
-        "        assert r.returncode == 0 and '0 bytes spill stores' in r.stderr, r.stderr\n"
+        "    ptxas_sm90a(k)\n"
         "print('ok')\n"
     )
     compile_offline(code)

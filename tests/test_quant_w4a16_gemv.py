@@ -17,12 +17,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+from interpreter_child import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -92,12 +91,7 @@ def _run(chunk: int) -> dict[str, Any]:
 
 @functools.cache
 def _chunk_results(chunk: int) -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(chunk)], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return dict(run_interpreted(__file__, str(chunk)))
 
 
 def _result(name: str) -> dict[str, Any]:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
+from interpreter_child import run_interpreted
 from offline_compile import compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -48,6 +47,7 @@ def _run(chunk: int) -> dict[str, Any]:
     import torch
     from quant_packers import awq_pack, gptq_pack, quantize_rtn
 
+    from pagedllm.layers import split_k
     from pagedllm.plugins.quantization import w4a16_gemv_tiled as tiled
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
     from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, awq_to_gptq, dequantize
@@ -81,7 +81,7 @@ def _run(chunk: int) -> dict[str, Any]:
         ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - bits) if bits else 0.0
         c = 1e-5 if variant.startswith("mant") else 1e-6
         bound = c * size + ulp
-        tickets = tiled._TICKETS.get(x.device)
+        tickets = split_k._TICKETS.get(x.device)
         results[name] = {
             "dtype": str(y.dtype), "shape": list(y.shape),
             "tiled": tiled.tiled_reason(variant, layout, m) is None,
@@ -94,12 +94,7 @@ def _run(chunk: int) -> dict[str, Any]:
 
 @functools.cache
 def _chunk_results(chunk: int) -> dict[str, Any]:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, str(chunk)], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return dict(run_interpreted(__file__, str(chunk)))
 
 
 def _result(name: str) -> dict[str, Any]:

@@ -64,6 +64,16 @@ def generate(model: str, tp: int, **kwargs: Any) -> tuple[list[list[int]], LLM]:
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
+def assert_dead_rank_fails_the_next_step(llm: LLM) -> None:
+    """Kill rank 1's process: the next step must fail with an error naming it."""
+    executor: Any = llm.engine.parts.executor
+    worker = executor._procs[0]
+    worker.kill()
+    worker.join(timeout=10)
+    with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+
+
 @pytest.mark.slow  # starts a rank-1 process
 @pytest.mark.parametrize("kind", ["llama_kv2", "qwen2_kv1"])
 def test_tp2_greedy_equals_tp1_and_transformers(kind: str, tiny_root: Path) -> None:
@@ -202,12 +212,7 @@ def test_tp2_dummy_equals_tp1_and_a_dead_rank_fails_the_next_step(tiny_root: Pat
     tp2, llm2 = generate(model, 2, load_format="dummy")
     try:
         assert tp2 == tp1
-        executor: Any = llm2.engine.parts.executor
-        worker = executor._procs[0]
-        worker.kill()
-        worker.join(timeout=10)
-        with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
-            llm2.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+        assert_dead_rank_fails_the_next_step(llm2)
     finally:
         llm2.shutdown()
 
@@ -333,12 +338,7 @@ def test_tp2_async_scheduling_equals_tp1(tiny_root: Path) -> None:
         stats2 = llm2.engine.get_stats()
         assert llm2.engine.kv_cache_usage == 0.0
         # A dead rank still fails the next step with its name (pipelined steps get no reply from it).
-        executor: Any = llm2.engine.parts.executor
-        worker = executor._procs[0]
-        worker.kill()
-        worker.join(timeout=10)
-        with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
-            llm2.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)
+        assert_dead_rank_fails_the_next_step(llm2)
     finally:
         llm2.shutdown()
 

@@ -23,7 +23,7 @@ an SM and their loads hide the latency (ptxas issues 3-4 of a step's 8 loads bef
 bytes in flight come from resident warps, not from one program's tile). One reduction across lanes and
 warps per program, at the end. Every sum's order is fixed by the compiled code: the bits are the same every
 run and differ from cuBLAS's only by summation order (both accumulate in float32 and round once).
-NOTE 2 (split-K in one launch, as w4a16_gemv_tiled.py NOTE 3): each program stores its float32 partials,
+NOTE 2 (split-K in one launch, layers/split_k.py, shared with the W4A16 and GGUF GEMVs): each program stores its float32 partials,
 `debug_barrier` (every thread's stores before the ticket), then one atomic_add (acq_rel, gpu scope) on its n
 block's ticket; the program that draws SPLIT_K - 1 reads the partials through L2 (`.cg`) in split order, so y
 is deterministic, adds the bias, writes y and puts the ticket back to 0 (the buffer stays zero between
@@ -49,25 +49,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
-
-
-@triton.jit
-def sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One n block's float32 split-K partials, laid out [split, row, n], summed in split order (NOTE 2: the
-    same bits every run); read through L2 (`.cg`), where the other programs' stores landed. Also the W4A16
-    GEMV's (w4a16_gemv_tiled.py NOTE 3)."""
-    t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t1, t2, t3 = t0, t0, t0
-    for split in range(SPLITS):
-        src = part_ptr + split * MN + offs_n
-        t0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
-        if ROWS > 1:
-            t1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-        if ROWS > 2:
-            t2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-        if ROWS > 3:
-            t3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-    return t0, t1, t2, t3
+from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
 
 
 @triton.jit
@@ -162,36 +144,13 @@ def _dense_gemv_kernel(
         _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS, HAS_BIAS)
     else:  # NOTE 2
         MN = ROWS * N
-        part = part_ptr + pid_k * MN + offs_n
-        tl.store(part, p0, mask=n_ok)
-        if ROWS > 1:
-            tl.store(part + N, p1, mask=n_ok)
-        if ROWS > 2:
-            tl.store(part + 2 * N, p2, mask=n_ok)
-        if ROWS > 3:
-            tl.store(part + 3 * N, p3, mask=n_ok)
+        store_rows(part_ptr + pid_k * MN + offs_n, N, p0, p1, p2, p3, n_ok, ROWS)
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:
             t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
             _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-# Outgrown ticket buffers are kept, never freed: a CUDA graph captured earlier may still point at one.
-_RETIRED: list[torch.Tensor] = []
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The per-device int32 tickets, all zero between launches (NOTE 2)."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < count:
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(count, 16384), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
 
 
 def dense_gemv(
@@ -215,22 +174,18 @@ def dense_gemv(
     assert 1 <= m <= GEMV_MAX_M and weight.shape[1] == k and weight.stride(1) == 1, (m, tuple(weight.shape))
     block_n, block_k, warps, split = blocks
     assert block_k % 8 == 0 and split >= 1, blocks  # 8 adjacent inputs are summed per thread (NOTE 1)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)  # every split owns at least one step, so every partial is written
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    col_blocks = triton.cdiv(n, block_n)
-    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tickets = y if split == 1 else _tickets(x.device, col_blocks)
-    _dense_gemv_kernel[(col_blocks, split)](
-        flat, weight, bias if bias is not None else y, y, part, tickets,
-        n, k, k_per_split, split,
+    sk = split_k(x, m, n, k, block_k, split, block_n)
+    y = sk.y
+    _dense_gemv_kernel[(sk.col_blocks, sk.split)](
+        flat, weight, bias if bias is not None else y, y, sk.part, sk.tickets,
+        n, k, sk.per_split, sk.split,
         flat.stride(0), weight.stride(0), n,
         ROWS=m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN=n % block_n == 0 and k % block_k == 0,
         HAS_BIAS=bias is not None,
-        FUSED_SPLIT=split > 1,
+        FUSED_SPLIT=sk.split > 1,
         GATED=gated,
         num_warps=warps,
     )

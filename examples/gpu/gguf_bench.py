@@ -68,6 +68,13 @@ def random_blocks(name: str, n: int, k: int, device: str, seed: int) -> torch.Te
     return raw.reshape(n, -1)
 
 
+def rotated_block_sets(name: str, n: int, k: int, device: str, seed: int, dry_run: bool) -> list[torch.Tensor]:
+    """Enough random copies of one [n, k] matrix in `name` blocks that rotating through them defeats L2."""
+    first = random_blocks(name, n, k, device, seed)
+    copies = 1 if dry_run else max(2, math.ceil(ROTATE_BYTES / first.numel()))  # uint8: numel = bytes
+    return [first] + [random_blocks(name, n, k, device, seed + 100 * c) for c in range(1, copies)]
+
+
 def exactness(device: str) -> dict[str, Any]:
     """Stage 1: mismatching weights per type (GPU float32 dequantization vs gguf-py's numpy)."""
     from gguf import GGMLQuantizationType
@@ -87,7 +94,7 @@ def exactness(device: str) -> dict[str, Any]:
 
 def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Stage 2: µs per call, GGUF kernels vs bf16, per shape, type and M."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
     from pagedllm.plugins.quantization.gguf_triton import gguf_dequantize, gguf_matmul
 
@@ -109,10 +116,8 @@ def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.d
                 bf16_us = timer.us_per_call([functools.partial(F.linear, x, w) for w in dense])
                 for ti, name in enumerate(types):
                     t = int(GGMLQuantizationType[name])
-                    qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-                    qbytes = n * k // qk * ts
-                    qcopies = 1 if args.dry_run else max(2, math.ceil(ROTATE_BYTES / qbytes))
-                    sets = [random_blocks(name, n, k, device, ti + 100 * c) for c in range(qcopies)]
+                    sets = rotated_block_sets(name, n, k, device, ti, args.dry_run)
+                    qbytes = sets[0].numel()
                     y = gguf_matmul(x, sets[0], t, n)
                     ref = x.float() @ gguf_dequantize(sets[0], t, k, torch.float32).t()
                     err = float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
@@ -132,7 +137,7 @@ def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.d
 
 def block_gemv(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.dtype) -> dict[str, Any]:
     """Stage 4: µs per call, block-wise vs element-wise GEMV vs bf16, the 8B shapes (module doc)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
     from pagedllm.plugins.quantization.gguf_block_gemv import block_tiles, gguf_block_gemv
     from pagedllm.plugins.quantization.gguf_triton import gemv_blocks, gguf_dequantize, gguf_gemv
@@ -151,10 +156,8 @@ def block_gemv(args: argparse.Namespace, timer: Timer, device: str, dtype: torch
         del dense
         for ti, name in enumerate(types):
             t = int(GGMLQuantizationType[name])
-            qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-            qbytes = n * k // qk * ts
-            qcopies = 1 if args.dry_run else max(2, math.ceil(ROTATE_BYTES / qbytes))
-            sets = [random_blocks(name, n, k, device, ti + 100 * c) for c in range(qcopies)]
+            sets = rotated_block_sets(name, n, k, device, ti, args.dry_run)
+            qbytes = sets[0].numel()
             w32 = gguf_dequantize(sets[0], t, k, torch.float32)
             for m in ms:
                 x = xs[m]

@@ -19,7 +19,7 @@ for every other Q4_0 block). Per block, by word:
                                        block's BLOCK_N rows, so each x value it loads meets BLOCK_N weights
     per block and activation row m     p = sum_i x[m, i] q_i (float32), then acc_m += d p (+ m sum_i x[m, i])
     end                                one cross-lane sum per program; split-K as the W4A16 tiled GEMV
-                                       (w4a16_gemv_tiled.py NOTE 3: float32 partials, a ticket per n block,
+                                       (layers/split_k.py: float32 partials, a ticket per n block,
                                        the last program sums in split order, `sum_split_partials`)
 
 Loads per weight at M = 1 with BLOCK_N = 8: Q4_0 9 / 32 for the block + 32 / (32 x 8) for x = 0.41 (the
@@ -34,7 +34,7 @@ sums of the same products within ~K ulps; the tests bound both by 1e-6 sum |x| |
 NOTE 2: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
 NOTE 3 (determinism, CUDA graphs): every sum's order is fixed by the code and the split order, so the bits are
 the same every run; the tickets are allocated on first use (the engine's eager warm-up, before capture) and
-put back to 0 by the kernel, shared with the W4A16 tiled GEMV (one stream, one launch at a time).
+put back to 0 by the kernel, shared with every split-K GEMV (layers/split_k.py; one stream, one launch at a time).
 NOTE 4 (codes masked in place): `(w >> 4t) & 15` compiled to SHF + SGXT + LOP3 per nibble; `w & 15 << 4t`
 ORed into 2^23's exponent is one LOP3, and the float is 16^t q exactly (q <= 31, 16^3 q < 2^23), so the
 code's offset is scaled by 16^t and x by 16^-t (a power of two: exact; one FMUL per x value, shared by the
@@ -53,8 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.dense_gemv_kernel import sum_split_partials
-from pagedllm.plugins.quantization.w4a16_gemv_tiled import _tickets
+from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
 
 BLOCK_MAX_M = 4  # accumulators unrolled for this many rows (sum_split_partials' limit too)
 # ggml type id -> bytes per block (32 weights each): the types this kernel decodes.
@@ -149,17 +148,6 @@ def _block_sums(blk, xb, stride_xm, b_ok, nib, expo, TYPE: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _store_rows(ptr, stride_m, t0, t1, t2, t3, n_ok, ROWS: tl.constexpr):
-    tl.store(ptr, t0.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 1:
-        tl.store(ptr + stride_m, t1.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 2:
-        tl.store(ptr + 2 * stride_m, t2.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 3:
-        tl.store(ptr + 3 * stride_m, t3.to(ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _gguf_block_gemv_kernel(
     w_ptr, x_ptr, y_ptr, part_ptr, ticket_ptr, N, KB, KB_PER_SPLIT, SPLITS, stride_w, stride_xm, stride_ym, nib, expo,
     TYPE: tl.constexpr, TS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -204,15 +192,15 @@ def _gguf_block_gemv_kernel(
     t2 = tl.sum(a2, axis=1)
     t3 = tl.sum(a3, axis=1)
     if not FUSED_SPLIT:
-        _store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
-    else:  # module doc: the W4A16 tiled GEMV's ticket reduction
+        store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
+    else:  # module doc: layers/split_k.py's ticket reduction
         MN = ROWS * N
-        _store_rows(part_ptr + pid_k * MN + offs_n, N, t0, t1, t2, t3, n_ok, ROWS)
+        store_rows(part_ptr + pid_k * MN + offs_n, N, t0, t1, t2, t3, n_ok, ROWS)
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:
             s0, s1, s2, s3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
-            _store_rows(y_ptr + offs_n, stride_ym, s0, s1, s2, s3, n_ok, ROWS)
+            store_rows(y_ptr + offs_n, stride_ym, s0, s1, s2, s3, n_ok, ROWS)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -252,15 +240,11 @@ def gguf_block_gemv(
         x = x.contiguous()
     block_n, block_b, warps, split = tiles or block_tiles(n, k, m)
     kb = k // 32
-    kb_per_split = triton.cdiv(triton.cdiv(kb, split), block_b) * block_b
-    split = triton.cdiv(kb, kb_per_split)  # every split owns at least one step, so every partial is written
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    col_blocks = triton.cdiv(n, block_n)
-    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tickets = y if split == 1 else _tickets(x.device, col_blocks)
-    _gguf_block_gemv_kernel[(col_blocks, split)](
-        blocks, x, y, part, tickets, n, kb, kb_per_split, split, blocks.stride(0), x.stride(0), y.stride(0),
+    sk = split_k(x, m, n, kb, block_b, split, block_n)
+    y = sk.y
+    _gguf_block_gemv_kernel[(sk.col_blocks, sk.split)](
+        blocks, x, y, sk.part, sk.tickets, n, kb, sk.per_split, sk.split, blocks.stride(0), x.stride(0), y.stride(0),
         15, 0x4B000000,  # NOTE 5: the nibble mask and 2^23's exponent as arguments, not immediates
-        TYPE=ggml_type, TS=ts, ROWS=m, BLOCK_N=block_n, BLOCK_B=block_b, FUSED_SPLIT=split > 1, num_warps=warps,
+        TYPE=ggml_type, TS=ts, ROWS=m, BLOCK_N=block_n, BLOCK_B=block_b, FUSED_SPLIT=sk.split > 1, num_warps=warps,
     )
     return y

@@ -38,9 +38,9 @@ trick. The masks and exponents are kernel arguments: as immediates ptxas remater
 NOTE 3 (split-K in one kernel): each program stores its float32 partials, `debug_barrier` (every thread's
 stores before the ticket), then one atomic_add (acq_rel, gpu scope) on its n block's ticket. The program
 that draws the last ticket reads the partials through L2 (`.cg`), in split order, so y has the same bits
-every run; it resets the ticket, so the buffer stays zero between launches (CUDA-graph safe). The tickets
-are one int32 buffer per device, allocated on first use (before capture: the engine warms up eagerly);
-two GEMVs running concurrently on different streams would share them -- the engine's decode is one stream.
+every run; it resets the ticket, so the buffer stays zero between launches (CUDA-graph safe). The pieces
+(partial sum, row stores, the per-device ticket buffer, the split sizing) are layers/split_k.py's, shared
+with the dense and GGUF GEMVs.
 NOTE 4: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
 bf16 activations are read two per 32-bit load and widened with integer ops (X_BF16), which it runs exactly.
 NOTE 5 (activations): x is read as scalars every lane loads alike (uniform, from L1): a per-step scalar
@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.dense_gemv_kernel import sum_split_partials
+from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
 from pagedllm.plugins.quantization.w4a16_gemv import GemvBlocks, _as_biased_float
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
@@ -199,17 +199,6 @@ def _step(a0, a1, a2, a3, words, zcode, s, x_ptr, stride_xm, k0, r_idx, code_mas
 
 
 @triton.jit
-def _store_rows(ptr, stride_m, a0, a1, a2, a3, n_ok, ROWS: tl.constexpr):
-    tl.store(ptr, a0.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 1:
-        tl.store(ptr + stride_m, a1.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 2:
-        tl.store(ptr + 2 * stride_m, a2.to(ptr.dtype.element_ty), mask=n_ok)
-    if ROWS > 3:
-        tl.store(ptr + 3 * stride_m, a3.to(ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _w4a16_gemv_tiled_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     N, K, K_PER_SPLIT, SPLITS,
@@ -258,28 +247,16 @@ def _w4a16_gemv_tiled_kernel(
                                    lo_mask, hi_mask, one_lo, one_hi, BITS, ZERO_OFFSET, ROWS, BLOCK_K,
                                    MANT, X_BF16)
     if not FUSED_SPLIT:
-        _store_rows(y_ptr + offs_n, stride_ym, a0, a1, a2, a3, n_ok, ROWS)
+        store_rows(y_ptr + offs_n, stride_ym, a0, a1, a2, a3, n_ok, ROWS)
     else:  # NOTE 3
         MN = ROWS * N
-        _store_rows(part_ptr + pid_k * MN + offs_n, N, a0, a1, a2, a3, n_ok, ROWS)
+        store_rows(part_ptr + pid_k * MN + offs_n, N, a0, a1, a2, a3, n_ok, ROWS)
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:
             t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
-            _store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
+            store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The per-device int32 tickets, all zero between launches (NOTE 3)."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < count:
-        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
 
 
 # One-warp programs: up to 32 resident per SM; about 12 per SM of 132 keeps every SM busy through the tail.
@@ -346,16 +323,12 @@ def w4a16_gemv_tiled(
     assert reason is None and layout.kind == "gptq", f"w4a16_gemv_tiled: {reason or layout.kind}"
     block_n, block_k, warps, split = blocks or tiled_blocks(variant, layout, m, n, k)
     assert layout.group_size % block_k == 0 and block_k % layout.pack_factor == 0, (block_k, layout)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)  # every split owns at least one step, so every partial is written
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    col_blocks = triton.cdiv(n, block_n)
-    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tickets = y if split == 1 else _tickets(x.device, col_blocks)
+    sk = split_k(x, m, n, k, block_k, split, block_n)
+    y = sk.y
     prefetch, mant = TILED_VARIANTS[variant]
-    _w4a16_gemv_tiled_kernel[(col_blocks, split)](
-        flat, qweight, qzeros, scales, y, part, tickets,
-        n, k, k_per_split, split,
+    _w4a16_gemv_tiled_kernel[(sk.col_blocks, sk.split)](
+        flat, qweight, qzeros, scales, y, sk.part, sk.tickets,
+        n, k, sk.per_split, sk.split,
         flat.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), n,
         layout.mask, 0xF << 15, 0xF << 19, 0x3F800000, 0x3D800000,  # NOTE 2: masks as arguments, not immediates
         GROUP_SIZE=layout.group_size,
@@ -364,7 +337,7 @@ def w4a16_gemv_tiled(
         ROWS=m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        FUSED_SPLIT=split > 1,
+        FUSED_SPLIT=sk.split > 1,
         PREFETCH=prefetch,
         MANT=mant,
         X_BF16=flat.dtype == torch.bfloat16 and flat.stride(0) % 2 == 0 and flat.data_ptr() % 4 == 0,
