@@ -36,6 +36,9 @@ CASES = [
       for v in ("tile", "mant")],
     ("tile_pf_gptq_m4_fp32_default", "tile_pf", "gptq", 4, "v1", 4, 200, 512, "float32", None),
     ("mant_gptq_m1_fp32_default", "mant", "gptq", 4, "v2", 1, 200, 512, "float32", None),
+    # more splits than sum_split_partials' chunk (16 at one row, 4 at four): two chunks, the second part-masked
+    ("mant_gptq_m1_fp32_split24", "mant", "gptq", 4, "v1", 1, 200, 768, "float32", (128, 32, 1, 24)),
+    ("tile_gptq_m4_fp16_split6", "tile", "gptq", 4, "v1", 4, 136, 768, "float16", (64, 128, 1, 6)),
     ("tile_gptq8_m1_fp32_split2", "tile", "gptq", 8, "v1", 1, 120, 256, "float32", (128, 32, 1, 2)),
     ("mant_gptq8_falls_back", "mant", "gptq", 8, "v1", 1, 120, 256, "float32", None),
     ("tile_m6_falls_back", "tile", "gptq", 4, "v1", 6, 120, 256, "float16", None),

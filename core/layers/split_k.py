@@ -1,6 +1,6 @@
 """Split-K in one launch, shared by the decode GEMVs (dense_gemv_kernel.py, the W4A16 tiled GEMV, the GGUF
 block GEMV): each program of an n block stores its float32 partials [split, row, n], takes a ticket, and the
-program that draws the last ticket sums the partials in split order (the same bits every run), writes y and
+program that draws the last ticket sums the partials in a fixed order (the same bits every run), writes y and
 puts the ticket back to 0 -- no second kernel per linear, and the ticket buffer stays zero between launches,
 so the launches are CUDA-graph safe (dense_gemv_kernel.py NOTE 2).
 
@@ -31,20 +31,33 @@ def store_rows(ptr, stride_m, t0, t1, t2, t3, n_ok, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _chunk_sum(src, m):
+    return tl.sum(tl.load(src, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
+
+
+@triton.jit
 def sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One n block's float32 split-K partials, laid out [split, row, n], summed in split order (the same bits
-    every run); read through L2 (`.cg`), where the other programs' stores landed."""
+    """One n block's float32 split-K partials, laid out [split, row, n], summed in a fixed order (the same
+    bits every run); read through L2 (`.cg`), where the other programs' stores landed.
+
+    CHUNK splits are one 2-D load per row, so their L2 round trips overlap: a loop of one split per iteration
+    waited ~0.25 us per split, ~8 us of a 33-way split's 17 us on the H200 (docs/perf-notes.md §12). Within a
+    chunk tl.sum's tree fixes the order, chunks are added in split order.
+    """
+    CHUNK: tl.constexpr = 16 // ROWS if ROWS < 3 else 4  # [CHUNK, BLOCK_N] per row: <= 16 values a column
     t0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     t1, t2, t3 = t0, t0, t0
-    for split in range(SPLITS):
-        src = part_ptr + split * MN + offs_n
-        t0 += tl.load(src, mask=n_ok, other=0.0, cache_modifier=".cg")
+    for s0 in range(0, SPLITS, CHUNK):
+        offs_s = s0 + tl.arange(0, CHUNK)
+        src = part_ptr + offs_s[:, None] * MN + offs_n[None, :]
+        m = (offs_s < SPLITS)[:, None] & n_ok[None, :]
+        t0 += _chunk_sum(src, m)
         if ROWS > 1:
-            t1 += tl.load(src + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            t1 += _chunk_sum(src + N, m)
         if ROWS > 2:
-            t2 += tl.load(src + 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            t2 += _chunk_sum(src + 2 * N, m)
         if ROWS > 3:
-            t3 += tl.load(src + 3 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            t3 += _chunk_sum(src + 3 * N, m)
     return t0, t1, t2, t3
 
 

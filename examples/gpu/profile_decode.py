@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: host phases timed by hand, device kernels by torch.profiler.
 
 Run on the GPU machine: `python examples/gpu/profile_decode.py --batch 1` (Llama-8B shape, dummy weights,
-triton backend, CUDA graphs as configured). Prints the host-side split of one step (schedule, runner, sampler,
+triton backend, CUDA graphs as configured; `--quantization gptq` etc. as bench_suite.py's). Prints the host-side split of one step (schedule, runner, sampler,
 update) and the top device kernels.
 """
 
@@ -25,15 +25,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--quantization", default=None,
+                    help="dummy packed weights of a checkpoint format, as bench_suite.py's (gptq | awq | gguf-<type>)")
     args = ap.parse_args()
+
+    from bench_suite import checkpoint_quantization
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineConfig
 
-    path = make_model_dir(LLAMA_8B_CONFIG, tempfile.mkdtemp(), "llama8b")
+    qc = checkpoint_quantization(args.quantization)
+    model_config = {**LLAMA_8B_CONFIG, "quantization_config": qc} if qc else LLAMA_8B_CONFIG
+    path = make_model_dir(model_config, tempfile.mkdtemp(), "llama8b")
     cfg = EngineConfig.from_dict({
         "model": path, "dtype": "bfloat16", "device": "cuda", "attention": {"backend": "triton"},
         "loader": {"name": "dummy"}, "enforce_eager": args.eager,
+        "quantization": {"method": None if qc else args.quantization},
         "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
     })
     llm = LLM(config=cfg)

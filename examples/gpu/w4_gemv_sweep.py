@@ -8,7 +8,7 @@ TILED_VARIANTS of w4a16_gemv_tiled.py (tile, tile_pf, mant, mant_pf: word tiles 
 the kernel). Shapes qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, GPTQ v1 packing, group
 128, random codes, bf16 activations and scales.
 
-  1. M = 1: every variant x its (BLOCK_N, BLOCK_K, warps) grid x SPLIT_K for ~4 / 8 / 16 programs per SM, per
+  1. M = 1: every variant x its (BLOCK_N, BLOCK_K, warps) grid x SPLIT_K for ~8 / 4 / 16 programs per SM (--per-sm), per
      shape; the variants' defaults first, so a run cut short by the time budget still covers them all
   2. M = 2 and 4: base and the two best variants of stage 1, at their default blocks
 Timing: a CUDA graph of ~100 calls, replayed 5 times between CUDA events (median), rotating over copies of
@@ -157,9 +157,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dry = args.dry_run
     device, dtype = ("cpu", torch.float16) if dry else ("cuda", torch.bfloat16)
     shapes = SHAPES_TINY if dry else SHAPES_8B
-    variants = ["base", *TILED_VARIANTS]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - {"base", *TILED_VARIANTS})
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown} (base, {', '.join(TILED_VARIANTS)})")
     grid = {v: GRID[v][:1] for v in variants} if dry else GRID
-    per_sm = PROGRAMS_PER_SM[:1] if dry else PROGRAMS_PER_SM
+    per_sm = [int(p) for p in args.per_sm.split(",")]
+    per_sm = per_sm[:1] if dry else per_sm
     ctx = {"timer": Timer(dry)}
     t_start = time.time()
     out: dict[str, Any] = {"device": "cpu (interpreter)" if dry else torch.cuda.get_device_name(),
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # stage 2: M = 2, 4 for base and the two fastest tiled variants, at their default blocks
     ranked = sorted((v for v in best if v != "base" and best[v]["layer_us"] is not None),
                     key=lambda v: best[v]["layer_us"])
-    for v in ["base", *ranked[:2]]:
+    for v in [*(["base"] if "base" in variants else []), *ranked[:2]]:
         for m in (2, 4):
             for name in shapes:
                 if time.time() - t_start > (HARD_S if not dry else 1e9):
@@ -260,6 +264,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="JSON path (e.g. $OUT/w4_gemv_sweep.json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--variants", default="base,tile,tile_pf,mant,mant_pf",
+                        help="comma-separated variants to sweep (base and TILED_VARIANTS)")
+    parser.add_argument("--per-sm", default=",".join(map(str, PROGRAMS_PER_SM)),
+                        help="programs per SM the split-K choices aim at, the first one timed first")
     args = parser.parse_args()
     out = run(args)
     with open(args.out, "w") as f:
