@@ -179,24 +179,29 @@ def test_config_switch() -> None:
 @needs_triton
 def test_compiles_for_sm90() -> None:
     """The kernel through Triton's compiler for sm_90 (offline: no GPU): M = 1 and 4, bf16 / fp16, direct and
-    split, masked and not, with and without a bias, gated."""
+    split, masked and not, with and without a bias, gated, with and without PDL."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from pagedllm.layers import dense_gemv_kernel as t\n"
         "fn = t._dense_gemv_kernel\n"
-        "for rows, bn, bk, warps, even, bias, fused, gated, dt in (\n"
-        "        (1, 8, 1024, 4, True, False, False, False, 'bf16'), (1, 8, 1024, 4, True, False, True, True, 'bf16'),\n"
-        "        (4, 2, 1024, 4, False, True, True, False, 'fp16')):\n"
+        "for rows, bn, bk, warps, even, bias, fused, gated, dt, pdl in (\n"
+        "        (1, 8, 1024, 4, True, False, False, False, 'bf16', True),\n"
+        "        (1, 8, 1024, 4, True, False, True, True, 'bf16', False),\n"
+        "        (4, 2, 1024, 4, False, True, True, False, 'fp16', True)):\n"
         "    cons = dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN=even, HAS_BIAS=bias, FUSED_SPLIT=fused,\n"
-        "                GATED=gated)\n"
+        "                GATED=gated, PDL=pdl)\n"
         "    ptrs = {'part_ptr': '*fp32', 'ticket_ptr': '*i32'}\n"
         "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*' + dt) if a.endswith('_ptr') else 'i32'\n"
         "           for a in fn.arg_names}\n"
         "    keys = {(fn.arg_names.index(k),): val for k, val in cons.items()}\n"
-        "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
-        "                   target=GPUTarget('cuda', 90, 32), options={'num_warps': warps})\n"
+        "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
+        "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': warps})\n"
+        "    ptx = k.asm['ptx']  # PDL (layers/pdl.py): the L2 prefetch, then the wait, only when asked for\n"
+        "    assert ('griddepcontrol.wait' in ptx) == pdl and ('prefetch.global.L2' in ptx) == pdl\n"
+        "    if pdl:\n"
+        "        assert ptx.index('prefetch.global.L2') < ptx.index('griddepcontrol.wait') < ptx.index('ld.global')\n"
         "print('ok')\n"
     )
     compile_offline(code)

@@ -116,7 +116,7 @@ def test_tiled_equals_dequantize_then_matmul(case: tuple[Any, ...]) -> None:
 
 
 def test_compiles_for_sm90() -> None:
-    """Every variant through Triton's compiler for sm_90 (offline: no GPU), at M = 1 and M = 4."""
+    """Every variant through Triton's compiler for sm_90 (offline: no GPU), at M = 1 (with PDL) and M = 4."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
@@ -127,12 +127,16 @@ def test_compiles_for_sm90() -> None:
         "for v, (pf, mant) in t.TILED_VARIANTS.items():\n"
         "    for rows, bk in ((1, 64 if pf else 128), (4, 32)):\n"
         "        cons = dict(GROUP_SIZE=128, BITS=4, ZERO_OFFSET=1, ROWS=rows, BLOCK_N=128, BLOCK_K=bk,\n"
-        "                    FUSED_SPLIT=True, PREFETCH=pf, MANT=mant, X_BF16=True)\n"
+        "                    FUSED_SPLIT=True, PREFETCH=pf, MANT=mant, X_BF16=True, PDL=rows == 1)\n"
         "        sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*i32') if a.endswith('_ptr') else 'i32'\n"
         "               for a in fn.arg_names}\n"
         "        keys = {(fn.arg_names.index(k),): val for k, val in cons.items()}\n"
-        "        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
-        "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"
+        "        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
+        "                           target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"
+        "        ptx = k.asm['ptx']  # PDL (NOTE 6): prefetches, then the wait, before any load\n"
+        "        assert ('griddepcontrol.wait' in ptx) == (rows == 1), (v, rows)\n"
+        "        if rows == 1:\n"
+        "            assert ptx.index('prefetch.global.L2') < ptx.index('griddepcontrol.wait') < ptx.index('ld.global')\n"
         "print('ok')\n"
     )
     compile_offline(code)

@@ -40,6 +40,9 @@ GATED reads [gate | up] instead and forms silu(gate) * up per input as the fused
 act_and_mul: the activation rounded to the dtype before the multiply, the product rounded once), so the
 values that meet the weights are the ones the two-launch path would have stored. Each thread computes its
 own 8 inputs per step (warps lie along K: no input is computed twice in a program).
+NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
+next kernel start, prefetches its first step's rows of W into L2, and only then waits for the kernel before
+it (whose output is x); every load of x or the bias and every store comes after the wait.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
+from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
 from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
 
 
@@ -108,6 +112,7 @@ def _dense_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     FUSED_SPLIT: tl.constexpr,
     GATED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -118,6 +123,12 @@ def _dense_gemv_kernel(
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # int64: N x K may pass 2^31 (an LM head)
+    if PDL:  # NOTE 6: the first step's rows head for L2 while the kernel before this one finishes
+        launch_dependents(PDL)
+        LINES: tl.constexpr = BLOCK_K // 64 if BLOCK_K >= 64 else 1  # 64 16-bit weights per 128-byte line
+        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+        prefetch_l2(rows + tl.minimum(k_begin + 64 * tl.arange(0, LINES), K - 1)[None, :])
+        wait_primary(PDL)
     a0 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # NOTE 1
     a1, a2, a3 = a0, a0, a0
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -176,6 +187,7 @@ def dense_gemv(
     assert block_k % 8 == 0 and split >= 1, blocks  # 8 adjacent inputs are summed per thread (NOTE 1)
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
+    pdl = pdl_on(flat)
     _dense_gemv_kernel[(sk.col_blocks, sk.split)](
         flat, weight, bias if bias is not None else y, y, sk.part, sk.tickets,
         n, k, sk.per_split, sk.split,
@@ -187,6 +199,8 @@ def dense_gemv(
         HAS_BIAS=bias is not None,
         FUSED_SPLIT=sk.split > 1,
         GATED=gated,
+        PDL=pdl,
         num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*x.shape[:-1], n)

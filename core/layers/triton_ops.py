@@ -18,6 +18,11 @@ the exact value, not further.
 
 NOTE 2 (CPU tensors): under TRITON_INTERPRET=1 the same kernels run on CPU tensors in numpy; the tests use
 that. bf16 arithmetic is not faithful in the interpreter, so the CPU tests cover fp32 and fp16 only.
+
+NOTE 3 (PDL, layers/pdl.py): RMSNorm and act_and_mul come right before the decode GEMVs (qkv, gate_up, the LM
+head; down), which launch with programmatic dependent launch: each program here lets the GEMV start at once,
+so its weight prefetch overlaps this kernel; the GEMV still waits for this kernel's output. With no PDL
+successor the trigger does nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.pdl import launch_dependents, pdl_on
+
 
 # --------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
@@ -33,8 +40,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     inner, stride_xa, stride_xb, stride_r, stride_o, stride_ro,
     N, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # NOTE 3
     # Row r of the flattened [rows, N] view sits at x[r // inner, r % inner]: a [T, heads, head] slice of a
     # fused qkv output (Qwen3's per-head q/k norm) is read in place, without a contiguous copy.
     row = tl.program_id(0)
@@ -97,7 +105,7 @@ def rms_norm(
             x, res_in, weight, out, res_out,
             inner, stride_xa, stride_xb, res_in.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma, PDL=pdl_on(x),
             # 16 elements per thread: hidden 4096 -> 8 warps, head 128 -> 1 warp.
             num_warps=min(16, max(1, block // 512)),
         )
@@ -187,8 +195,9 @@ def rotary_embedding(
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, D,
-    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+    BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)  # NOTE 3
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -226,6 +235,6 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         block = min(_ACT_BLOCK, triton.next_power_of_2(d))
         _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), d,
-            BLOCK=block, GELU_TANH=_ACTIVATIONS[activation], num_warps=4,
+            BLOCK=block, GELU_TANH=_ACTIVATIONS[activation], PDL=pdl_on(x2), num_warps=4,
         )
     return out.view(*x.shape[:-1], d)

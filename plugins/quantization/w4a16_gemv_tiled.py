@@ -46,6 +46,9 @@ bf16 activations are read two per 32-bit load and widened with integer ops (X_BF
 NOTE 5 (activations): x is read as scalars every lane loads alike (uniform, from L1): a per-step scalar
 pointer x + k0 plus constant offsets, so each load is one LDG with an immediate offset (offsets built from a
 tensor of inputs cost three 64-bit address instructions per load).
+NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
+next kernel start, prefetches its first step's words, scales and zeros into L2, and only then waits for the
+kernel before it (whose output is x); every load of x and every store comes after the wait.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
 from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
 from pagedllm.plugins.quantization.w4a16_gemv import GemvBlocks, _as_biased_float
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
@@ -183,6 +187,22 @@ def _load_step(qw_ptr, qz_ptr, s_ptr, k0, k_end, offs_n, n_ok, r_idx, z_word, z_
 
 
 @triton.jit
+def _prefetch_first_step(qw_ptr, qz_ptr, s_ptr, k_begin, pid_n, N, K, r_idx, stride_qw, stride_qz, stride_s,
+                         GROUP_SIZE: tl.constexpr, PF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One prefetch per 128-byte line of the step's word rows, scales and zero words (addresses clamped in
+    bounds: a prefetch is a hint, but the address must still be one of ours)."""
+    WORD_LINES: tl.constexpr = BLOCK_N // 32 if BLOCK_N >= 32 else 1  # 32 int32 words per line
+    SCALE_LINES: tl.constexpr = BLOCK_N // 64 if BLOCK_N >= 64 else 1  # 64 16-bit scales per line
+    n0 = pid_n * BLOCK_N
+    rows = tl.minimum(k_begin // PF + r_idx, K // PF - 1)
+    cols = tl.minimum(n0 + 32 * tl.arange(0, WORD_LINES), N - 1)
+    prefetch_l2(qw_ptr + rows[:, None] * stride_qw + cols[None, :])
+    g = k_begin // GROUP_SIZE
+    prefetch_l2(s_ptr + g * stride_s + tl.minimum(n0 + 64 * tl.arange(0, SCALE_LINES), N - 1))
+    prefetch_l2(qz_ptr + g * stride_qz + tl.minimum(n0 // PF + tl.arange(0, 1), (N - 1) // PF))
+
+
+@triton.jit
 def _step(a0, a1, a2, a3, words, zcode, s, x_ptr, stride_xm, k0, r_idx, code_mask, lo_mask, hi_mask, one_lo,
           one_hi, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
           MANT: tl.constexpr, X_BF16: tl.constexpr):
@@ -214,6 +234,7 @@ def _w4a16_gemv_tiled_kernel(
     PREFETCH: tl.constexpr,
     MANT: tl.constexpr,
     X_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     PF: tl.constexpr = 32 // BITS
     R: tl.constexpr = BLOCK_K // PF
@@ -228,6 +249,11 @@ def _w4a16_gemv_tiled_kernel(
     a1, a2, a3 = a0, a0, a0
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if PDL:  # NOTE 6: the first step's weights head for L2 while the kernel before this one finishes
+        launch_dependents(PDL)
+        _prefetch_first_step(qw_ptr, qz_ptr, s_ptr, k_begin, pid_n, N, K, r_idx, stride_qw, stride_qz, stride_s,
+                             GROUP_SIZE, PF, BLOCK_N)
+        wait_primary(PDL)
     if PREFETCH:  # NOTE 1: the next step's loads are issued before this step's math
         words, zc, s = _load_step(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, offs_n, n_ok, r_idx, z_word, z_shift,
                                   stride_qw, stride_qz, stride_s, GROUP_SIZE, BITS, BLOCK_K)
@@ -326,6 +352,7 @@ def w4a16_gemv_tiled(
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
     prefetch, mant = TILED_VARIANTS[variant]
+    pdl = pdl_on(flat)
     _w4a16_gemv_tiled_kernel[(sk.col_blocks, sk.split)](
         flat, qweight, qzeros, scales, y, sk.part, sk.tickets,
         n, k, sk.per_split, sk.split,
@@ -341,6 +368,8 @@ def w4a16_gemv_tiled(
         PREFETCH=prefetch,
         MANT=mant,
         X_BF16=flat.dtype == torch.bfloat16 and flat.stride(0) % 2 == 0 and flat.data_ptr() % 4 == 0,
+        PDL=pdl,
         num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*x.shape[:-1], n)
