@@ -10,19 +10,38 @@ from offline_compile import compile_offline
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def test_pdl_off_on_cpu_in_the_interpreter_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from pagedllm.layers import pdl
 
-    assert not pdl.pdl_on(torch.zeros(2))  # CPU tensors never launch with PDL
-    for env, value in (("TRITON_INTERPRET", "1"), ("PAGEDLLM_PDL", "0"), ("PAGEDLLM_PDL", "off")):
+    assert not pdl.pdl_on(torch.zeros(2), "w4a16") and not pdl.trigger_on(torch.zeros(2))  # CPU: never
+    cases = ((("TRITON_INTERPRET", "1"),), (("PAGEDLLM_PDL", "0"),), (("PAGEDLLM_PDL", "none"),),
+             (("PAGEDLLM_PDL", "dense"),))
+    for env in cases:
         pdl._pdl_on.cache_clear()
+        pdl._pdl_kernels.cache_clear()
         with monkeypatch.context() as m:
             m.delenv("TRITON_INTERPRET", raising=False)
-            m.setenv(env, value)
-            # returns before asking the device for its capability: no GPU is needed to see the switch
-            assert pdl._pdl_on(0) is False, (env, value)
+            m.delenv("PAGEDLLM_PDL", raising=False)
+            for key, value in env:
+                m.setenv(key, value)
+            # decided before the device is asked for its capability: no GPU is needed to see the switch
+            assert pdl._pdl_on(0, "w4a16") is False, env
+    with monkeypatch.context() as m:
+        for raw, kernels in (("all", {"w4a16", "dense"}), ("w4a16, dense", {"w4a16", "dense"}),
+                             ("off", set()), (None, set(pdl.PDL_KERNELS))):
+            pdl._pdl_kernels.cache_clear()
+            if raw is None:
+                m.delenv("PAGEDLLM_PDL", raising=False)
+            else:
+                m.setenv("PAGEDLLM_PDL", raw)
+            assert pdl._pdl_kernels() == kernels, raw
+        pdl._pdl_kernels.cache_clear()
+        m.setenv("PAGEDLLM_PDL", "w4a16,gguf")
+        with pytest.raises(ValueError, match="PAGEDLLM_PDL='w4a16,gguf': unknown \\['gguf'\\]"):
+            pdl._pdl_kernels()
+    pdl._pdl_kernels.cache_clear()
     pdl._pdl_on.cache_clear()
 
 

@@ -11,7 +11,7 @@ on the H200, docs/perf-notes.md §5c; the copy anchor 4.26 TB/s counts a read an
     end of the slice                       p_m = sum of acc_m over K (one cross-lane reduction per program)
     SPLIT_K = 1                            y[m, n] = p_m (+ b), rounded once to the output dtype
     SPLIT_K > 1                            partial[split, m, n] = p_m (float32); the program that draws its
-                                           n block's last ticket sums the partials in split order (NOTE 2)
+                                           n block's last ticket sums the partials in a fixed order (NOTE 2)
 
 NOTE 1 (layouts and registers; checked by compiling for sm_90 on the CPU, docs/perf-notes.md §11): BLOCK_K is
 8 x 32 x num_warps, so every warp lies along K and a thread owns 8 adjacent inputs of each of the tile's
@@ -25,7 +25,7 @@ warps per program, at the end. Every sum's order is fixed by the compiled code: 
 run and differ from cuBLAS's only by summation order (both accumulate in float32 and round once).
 NOTE 2 (split-K in one launch, layers/split_k.py, shared with the W4A16 and GGUF GEMVs): each program stores its float32 partials,
 `debug_barrier` (every thread's stores before the ticket), then one atomic_add (acq_rel, gpu scope) on its n
-block's ticket; the program that draws SPLIT_K - 1 reads the partials through L2 (`.cg`) in split order, so y
+block's ticket; the program that draws SPLIT_K - 1 reads the partials through L2 (`.cg`) in a fixed order, so y
 is deterministic, adds the bias, writes y and puts the ticket back to 0 (the buffer stays zero between
 launches: CUDA-graph safe). No second kernel per linear: at decode a launch inside a graph costs ~1-2 us,
 as much as the o projection's whole tail. The tickets are one int32 buffer per device, allocated on first
@@ -42,7 +42,8 @@ values that meet the weights are the ones the two-launch path would have stored.
 own 8 inputs per step (warps lie along K: no input is computed twice in a program).
 NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
 next kernel start, prefetches its first step's rows of W into L2, and only then waits for the kernel before
-it (whose output is x); every load of x or the bias and every store comes after the wait.
+it (whose output is x); every load of x or the bias and every store comes after the wait. Off by default
+(pdl.PDL_KERNELS): in the engine it made bf16 W3 slower on the H200 (PAGEDLLM_PDL=dense turns it on).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def dense_gemv(
     assert block_k % 8 == 0 and split >= 1, blocks  # 8 adjacent inputs are summed per thread (NOTE 1)
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
-    pdl = pdl_on(flat)
+    pdl = pdl_on(flat, "dense")
     _dense_gemv_kernel[(sk.col_blocks, sk.split)](
         flat, weight, bias if bias is not None else y, y, sk.part, sk.tickets,
         n, k, sk.per_split, sk.split,

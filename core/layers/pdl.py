@@ -17,8 +17,8 @@ trigger with no PDL-launched successor frees nothing), so a primary can trigger 
 A kernel that triggers and is followed by an ordinary launch changes nothing: ordinary launches still wait
 for every earlier kernel. CUDA-graph capture keeps the attribute as a programmatic edge (CUDA >= 12.3).
 
-Off: PAGEDLLM_PDL=0, the CPU and the Triton interpreter (inline PTX), GPUs before sm_90, a Triton whose
-launcher has no `launch_pdl` option. Imported by the kernel modules only (it imports triton).
+Which GEMVs use it: PDL_KERNELS, or PAGEDLLM_PDL=all | none | w4a16,dense. Never on the CPU or under the
+Triton interpreter (inline PTX), on GPUs before sm_90, or with a Triton whose launcher has no `launch_pdl`. Imported by the kernel modules only (it imports triton).
 """
 
 from __future__ import annotations
@@ -40,18 +40,48 @@ def _launcher_has_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
+# The GEMVs that launch with PDL unless PAGEDLLM_PDL names others ("all", "none" or a comma list): measured on
+# the H200 (docs/perf-notes.md §12) the W4A16 GEMV gained (W3 2.77 -> 2.70 ms/token) and the dense one lost
+# (bf16 W3 4.35 -> 4.55), so only "w4a16" is on by default.
+PDL_KERNELS = ("w4a16",)
+KNOWN_KERNELS = ("w4a16", "dense")
+
+
 @functools.cache
-def _pdl_on(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("PAGEDLLM_PDL", "1").strip().lower() in ("0", "false", "off", "no"):
+def _pdl_kernels() -> frozenset[str]:
+    raw = os.environ.get("PAGEDLLM_PDL")
+    if raw is None:
+        return frozenset(PDL_KERNELS)
+    value = raw.strip().lower()
+    if value in ("all", "1", "true", "on", "yes"):
+        return frozenset(KNOWN_KERNELS)
+    if value in ("none", "0", "false", "off", "no", ""):
+        return frozenset()
+    names = frozenset(v.strip() for v in value.split(","))
+    unknown = sorted(names - set(KNOWN_KERNELS))
+    if unknown:
+        raise ValueError(f"PAGEDLLM_PDL={raw!r}: unknown {unknown}; use all, none or a list of {KNOWN_KERNELS}")
+    return names
+
+
+@functools.cache
+def _pdl_on(device_index: int, kernel: str) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or kernel not in _pdl_kernels():
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and _launcher_has_pdl()
 
 
-def pdl_on(x: torch.Tensor) -> bool:
-    """Whether kernels on x's device launch with PDL (module docstring); one cached lookup per call."""
-    return x.is_cuda and _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device())
+def pdl_on(x: torch.Tensor, kernel: str) -> bool:
+    """Whether `kernel` (one of KNOWN_KERNELS) launches with PDL on x's device (module docstring); one cached
+    lookup per call."""
+    if not x.is_cuda:
+        return False
+    return _pdl_on(x.device.index if x.device.index is not None else torch.cuda.current_device(), kernel)
+
+
+def trigger_on(x: torch.Tensor) -> bool:
+    """Whether a kernel that may precede a PDL GEMV (RMSNorm, act_and_mul) should trigger its dependents."""
+    return any(pdl_on(x, kernel) for kernel in KNOWN_KERNELS)
 
 
 @triton.jit

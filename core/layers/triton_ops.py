@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.pdl import launch_dependents, pdl_on
+from pagedllm.layers.pdl import launch_dependents, trigger_on
 
 
 # --------------------------------------------------------------------------------------------- RMSNorm
@@ -105,7 +105,7 @@ def rms_norm(
             x, res_in, weight, out, res_out,
             inner, stride_xa, stride_xb, res_in.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma, PDL=pdl_on(x),
+            BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA=gemma, PDL=trigger_on(x),
             # 16 elements per thread: hidden 4096 -> 8 warps, head 128 -> 1 warp.
             num_warps=min(16, max(1, block // 512)),
         )
@@ -235,6 +235,6 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         block = min(_ACT_BLOCK, triton.next_power_of_2(d))
         _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), d,
-            BLOCK=block, GELU_TANH=_ACTIVATIONS[activation], PDL=pdl_on(x2), num_warps=4,
+            BLOCK=block, GELU_TANH=_ACTIVATIONS[activation], PDL=trigger_on(x2), num_warps=4,
         )
     return out.view(*x.shape[:-1], d)

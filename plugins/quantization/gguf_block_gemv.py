@@ -20,7 +20,7 @@ for every other Q4_0 block). Per block, by word:
     per block and activation row m     p = sum_i x[m, i] q_i (float32), then acc_m += d p (+ m sum_i x[m, i])
     end                                one cross-lane sum per program; split-K as the W4A16 tiled GEMV
                                        (layers/split_k.py: float32 partials, a ticket per n block,
-                                       the last program sums in split order, `sum_split_partials`)
+                                       the last program sums in a fixed order, `sum_split_partials`)
 
 Loads per weight at M = 1 with BLOCK_N = 8: Q4_0 9 / 32 for the block + 32 / (32 x 8) for x = 0.41 (the
 element-wise kernel: ~2). Arithmetic per weight: one LOP3 that masks the code in place and ORs in 2^23's

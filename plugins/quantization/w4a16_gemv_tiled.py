@@ -37,7 +37,7 @@ under bf16's 4e-3. Per code: 0.5 shift + LOP3 + FFMA, against shift + LOP3 + FAD
 trick. The masks and exponents are kernel arguments: as immediates ptxas rematerialises them per use.
 NOTE 3 (split-K in one kernel): each program stores its float32 partials, `debug_barrier` (every thread's
 stores before the ticket), then one atomic_add (acq_rel, gpu scope) on its n block's ticket. The program
-that draws the last ticket reads the partials through L2 (`.cg`), in split order, so y has the same bits
+that draws the last ticket reads the partials through L2 (`.cg`), in a fixed order, so y has the same bits
 every run; it resets the ticket, so the buffer stays zero between launches (CUDA-graph safe). The pieces
 (partial sum, row stores, the per-device ticket buffer, the split sizing) are layers/split_k.py's, shared
 with the dense and GGUF GEMVs.
@@ -292,10 +292,11 @@ _TARGET_PROGRAMS = 1584
 _M1_TILES = {"tile": (256, 64), "tile_pf": (128, 64), "mant": (256, 64), "mant_pf": (256, 64)}
 # Measured choices, (variant, m, n, k) -> blocks: filled from examples/gpu/w4_gemv_sweep.py's H200 output.
 # (variant, M, N, K) -> blocks: the H200 sweep's best per Llama-3.1-8B shape (`python examples/gpu/w4_gemv_sweep.py`,
-# 2026-11-29 19:26 UTC, docs/benchmarks.md; split is the requested split-K). Other shapes use tiled_blocks' rule.
+# docs/benchmarks.md; split is the requested split-K). M = 1: 2026-11-30 00:20 UTC with the chunked split-K sum
+# and PDL (53.9 us per layer); M = 2, 4: 2026-11-29 19:26 UTC. Other shapes use tiled_blocks' rule.
 _SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 _SWEPT = {
-    ("mant", 1): {"qkv": (128, 128, 1, 22), "o": (128, 128, 1, 32), "gate_up": (256, 64, 1, 19), "down": (128, 128, 1, 33)},
+    ("mant", 1): {"qkv": (128, 128, 1, 32), "o": (128, 128, 1, 32), "gate_up": (256, 64, 1, 38), "down": (128, 128, 1, 33)},
     ("mant", 2): {"qkv": (128, 64, 1, 32), "o": (128, 64, 1, 32), "gate_up": (128, 64, 1, 8), "down": (128, 64, 1, 50)},
     ("mant", 4): {"qkv": (128, 32, 1, 33), "o": (128, 32, 1, 50), "gate_up": (128, 32, 1, 8), "down": (128, 32, 1, 50)},
 }
@@ -352,7 +353,7 @@ def w4a16_gemv_tiled(
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
     prefetch, mant = TILED_VARIANTS[variant]
-    pdl = pdl_on(flat)
+    pdl = pdl_on(flat, "w4a16")
     _w4a16_gemv_tiled_kernel[(sk.col_blocks, sk.split)](
         flat, qweight, qzeros, scales, y, sk.part, sk.tickets,
         n, k, sk.per_split, sk.split,
