@@ -36,6 +36,8 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
     "mixed_gqa_fp32": ([5, 8, 0, 5], [1, 1, 7, 6], {}, 1e-5),
     "mixed_gqa_fp16": ([5, 8, 0, 5], [1, 1, 7, 6], {"dtype": "float16"}, 5e-3),
     "split_kv_4": ([3, 30, 17], [1, 1, 1], {"segments": 4}, 1e-5),
+    # more segments than the merge's chunk (32): the running maximum across chunks, empty segments of short rows
+    "split_kv_40_fp16": ([3, 150, 70], [1, 1, 1], {"segments": 40, "dtype": "float16"}, 5e-3),
     "split_kv_policy": ([3, 30, 17], [1, 1, 1], {"seed": 1}, 1e-5),  # 4 "SMs" on the CPU: splits
     "window": ([9, 0, 6], [1, 9, 5], {"window": 5}, 1e-5),
     "soft_cap": ([9, 0, 6], [1, 9, 5], {"soft_cap": 2.0}, 1e-5),
@@ -352,7 +354,7 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "for split, casc in ((False, False), (False, True), (True, True)):\n"
         "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
         "          SPLIT=split, CASCADE=casc, **plain), {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
-        "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=8),\n"
+        "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=32),\n"
         "          {'out_ptr'})\n"
         "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
         "from pagedllm.plugins.attention.triton_tuning import PREFILL as P\n"
