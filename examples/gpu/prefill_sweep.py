@@ -1,7 +1,12 @@
-"""The Triton unified attention kernel on prefill-heavy batches: a launch-configuration sweep; one H200.
+"""The Triton attention kernels on prefill-heavy batches: a launch-configuration sweep; one H200.
 
-    python examples/gpu/prefill_sweep.py --out $OUT/prefill_sweep.json        # H200, ~90-150 s
+    python examples/gpu/prefill_sweep.py --out $OUT/prefill_sweep.json        # H200, ~80-140 s
+    python examples/gpu/prefill_sweep.py --unified-grid --budget 260 --out $OUT/p.json  # + unified full grid
     python examples/gpu/prefill_sweep.py --dry-run --out /tmp/prefill.json    # CPU, Triton interpreter
+
+Two kernels: the unified paged kernel (triton_kernels.py, K/V gathered from the pages; its table entries, the
+full grid measured 2026-11-29 with --unified-grid) and the fresh-prefill kernel (triton_prefill.py, K/V read
+from the step's own key/value rows through TMA descriptors; rows labelled F, run on the all-fresh cases).
 
 Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blocks):
   8x2048   8 fresh prefills of 2048 tokens, causal          (275 GFLOP: docs/perf-notes.md 1b)
@@ -10,13 +15,15 @@ Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blo
            orders them (137.5 + 8.6 GFLOP; the decodes also read 2.1 GB of K/V)
 FLOPs = 4 x (visible query-key pairs) x 32 heads x 128: masked-out work is not counted.
 
-Each AttentionConfig of the grid (triton_tuning.py) runs on every case: output checked against torch SDPA in
-float32 on the same K/V (rel_l2 = ||out - ref|| / ||ref||, ok below 1e-2; bf16 rounding gives ~2e-3), then
-timed with CUDA events, median of 20 calls after 3 warm-up calls. Also timed: the rule's default (`default`:
-unified_attention with no config) and the engine path (`forward`: TritonImpl.forward, reshape_and_cache
-included). Triton compiles run first in parallel worker processes (they fill Triton's on-disk cache; the
-timing process then only loads), and configs past a 200 s budget are skipped, defaults first in the order.
-The last lines printed are a table per case (best 8, the v1 best, the default); all numbers are in the JSON.
+Each config of the grid (triton_tuning.py's AttentionConfig / FreshPrefillConfig) runs on every case it
+applies to: output checked against torch SDPA in float32 on the same K/V (rel_l2 = ||out - ref|| / ||ref||, ok
+below 1e-2; bf16 rounding gives ~2e-3), then timed with CUDA events, median of 20 calls after 3 warm-up
+calls. Also timed: the unified rule's default (`default`: unified_attention with no config) and the engine
+path (`forward`: TritonImpl.forward with reshape_and_cache, the fresh route as the backend takes it;
+`fwd-paged`: the same with the route off), both checked too. Triton compiles run first in parallel worker
+processes (they fill Triton's on-disk cache; the timing process then only loads), and configs past a 140 s
+budget are skipped, defaults first in the order. The last lines printed are a table per case (best 8 of each
+kernel, the v1 best, the defaults); all numbers are in the JSON.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 T0 = time.time()
-BUDGET_S = 200.0
+BUDGET_S = 140.0  # configs not started by then are skipped (the tables say how many)
 
 
 @dataclass(frozen=True)
@@ -70,15 +77,47 @@ def dry_shape() -> Shape:
     })
 
 
-def grid(dry: bool) -> list[Any]:
-    """Configs in the order they run: the table's entries and the v1 best first (a budget cut drops the tail)."""
+def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
+    """Configs in the order they run: the tables' entries and the v1 best first (a budget cut drops the tail),
+    then the fresh-prefill grid, then (--unified-grid) the unified kernel's full grid."""
+    from pagedllm.plugins.attention import triton_tuning as tt
+
+    v1_best = v1_best_config()
+    fresh = tt.FreshPrefillConfig
+    if dry:
+        return [tt.PREFILL, v1_best, replace(tt.PREFILL, pack_gqa=False), tt.FRESH_PREFILL,
+                fresh(rows=16, tile_n=16, num_warps=4, num_stages=2, kv_load="device", warp_specialize=True),
+                fresh(rows=16, tile_n=16, num_warps=4, num_stages=2, kv_load="pointer", pack_gqa=False)]
+    # the 1 x 8192 best of the last sweep (triton_tuning NOTE 4)
+    long_best = tt.AttentionConfig(rows=128, tile_n=128, num_warps=8, num_stages=5, reverse=True, k_rows=True)
+    out: list[Any] = [tt.PREFILL, tt.MIXED, v1_best, long_best, tt.FRESH_PREFILL]
+    # Fresh kernel (triton_prefill.py). 128 rows: 4 warps spill the 128 x 128 float32 accumulator unless
+    # warp-specialized (then 2 consumer warpgroups of 64 rows + a TMA producer: 12 warps, 168 registers, no
+    # spills offline); 128 x 128 tiles at 3 stages take 225 KB of shared memory, 4 would not fit.
+    for tile, stages in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
+        out.append(fresh(rows=128, tile_n=tile, num_warps=8, num_stages=stages))
+    for tile, stages in ((64, 2), (64, 3), (64, 4), (128, 2)):
+        out.append(fresh(rows=128, tile_n=tile, num_warps=4, num_stages=stages, kv_load="device",
+                         warp_specialize=True))
+    out += [fresh(rows=128, tile_n=64, num_warps=8, num_stages=3, pack_gqa=False),
+            fresh(rows=128, tile_n=128, num_warps=8, num_stages=2, pack_gqa=False),
+            fresh(rows=128, tile_n=64, num_warps=8, num_stages=3, kv_load="device"),
+            fresh(rows=128, tile_n=64, num_warps=8, num_stages=3, kv_load="pointer"),
+            fresh(rows=128, tile_n=64, num_warps=8, num_stages=5, kv_load="pointer"),
+            fresh(rows=64, tile_n=64, num_warps=4, num_stages=3),
+            fresh(rows=64, tile_n=64, num_warps=4, num_stages=3, pack_gqa=False)]
+    if unified_grid:
+        out += unified_full_grid()
+    return list(dict.fromkeys(out))  # drop repeats, keep the order
+
+
+def unified_full_grid() -> list[Any]:
+    """The unified kernel's grid of the 2026-11-29 sweep (triton_tuning NOTE 4)."""
     from pagedllm.plugins.attention import triton_tuning as tt
 
     cfg = tt.AttentionConfig
     v1_best = v1_best_config()
-    if dry:
-        return [tt.PREFILL, v1_best, replace(tt.PREFILL, pack_gqa=False)]
-    out = [tt.PREFILL, tt.MIXED, v1_best]
+    out: list[Any] = []
     # 1. rows x tile x warps x stages, the layout switches at the PREFILL entry's (reverse, K as rows).
     #    Stages 2, 3 and 4 all prefetch one K/V tile (triton_tuning NOTE 1): 4 only once, as evidence.
     sw = {"reverse": tt.PREFILL.reverse, "k_rows": tt.PREFILL.k_rows}
@@ -96,7 +135,18 @@ def grid(dry: bool) -> list[Any]:
             replace(p, reverse=False, k_rows=False), replace(p, pack_gqa=False),
             replace(p, pack_gqa=False, rows=64, num_warps=4), replace(v1_best, reverse=True),
             replace(v1_best, k_rows=True)]
-    return list(dict.fromkeys(out))  # drop repeats, keep the order
+    return out
+
+
+def is_fresh(config: Any) -> bool:
+    from pagedllm.plugins.attention.triton_tuning import FreshPrefillConfig
+
+    return isinstance(config, FreshPrefillConfig)
+
+
+def applies(config: Any, case: dict[str, Any]) -> bool:
+    """The fresh kernel runs only on cases whose every request is a fresh prefill."""
+    return not is_fresh(config) or not any(case["contexts"])
 
 
 def v1_best_config() -> Any:
@@ -132,9 +182,16 @@ def build_case(shape: Shape, contexts: list[int], queries: list[int], seed: int)
     # drawn in the cache dtype: no float32 copy (the mixed case's cache is 2.1 GB in bf16, in every worker)
     cache = torch.randn(2, num_blocks, shape.page, shape.kv_heads, shape.head, generator=dgen, device=dev,
                         dtype=shape.dtype)
-    q = torch.randn(tokens, shape.heads, shape.head, generator=dgen, device=dev, dtype=shape.dtype)
-    return {"common": inputs.attn, "cache": cache, "q": q,
-            "block_ids": block_ids, "contexts": contexts, "queries": queries,
+    # q, k, v as the model hands them over: views of one fused projection row; k and v are the new tokens'
+    # entries of the cache (their slots), so both kernels see the same keys and reshape_and_cache rewrites them.
+    slots = inputs.attn.slot_mapping
+    new_kv = [cache[i].view(-1, shape.kv_heads, shape.head)[slots].flatten(1) for i in (0, 1)]
+    qkv = torch.cat([torch.randn(tokens, shape.heads * shape.head, generator=dgen, device=dev, dtype=shape.dtype),
+                     *new_kv], dim=1)
+    q, k, v = qkv.split([shape.heads * shape.head, shape.kv_heads * shape.head, shape.kv_heads * shape.head], 1)
+    return {"common": inputs.attn, "cache": cache, "q": q.view(tokens, shape.heads, shape.head),
+            "k": k.view(tokens, shape.kv_heads, shape.head), "v": v.view(tokens, shape.kv_heads, shape.head),
+            "block_ids": block_ids, "contexts": contexts, "queries": queries, "plans": {},
             "out": torch.empty(tokens, shape.heads, shape.head, dtype=shape.dtype, device=dev)}
 
 
@@ -174,6 +231,21 @@ def call(shape: Shape, case: dict[str, Any], config: Any) -> None:
     from pagedllm.plugins.attention.triton_kernels import unified_attention
 
     c = case["common"]
+    if is_fresh(config):
+        from pagedllm.plugins.attention.triton_prefill import (
+            fresh_prefill_attention,
+            launch_shape,
+            plan_blocks,
+        )
+
+        block_q = launch_shape(config, shape.heads // shape.kv_heads)[1]
+        plan = case["plans"].get(block_q)
+        if plan is None:  # once per case (the backend builds it once per step)
+            plan = case["plans"][block_q] = torch.from_numpy(
+                plan_blocks(c.query_start_loc_cpu.numpy(), block_q)).to(case["q"].device)
+        fresh_prefill_attention(case["q"], case["k"], case["v"], case["out"], plan, c.num_actual_tokens,
+                                shape.head**-0.5, config=config)
+        return
     unified_attention(case["q"], case["cache"], case["out"], c.query_start_loc, c.seq_lens, c.block_table,
                       c.num_reqs, c.num_actual_tokens, shape.head**-0.5, config=config)
 
@@ -196,12 +268,14 @@ def time_ms(fn: Any, dry: bool, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _precompile(indices: list[int]) -> None:
+def _precompile(unified_grid: bool, indices: list[int]) -> None:
     """Worker: run each of its configs once on every case, so Triton's on-disk cache holds the binaries."""
-    shape, configs = gpu_shape(), grid(False)
+    shape, configs = gpu_shape(), grid(False, unified_grid)
     cases = [build_case(shape, ctx, qs, seed) for seed, (ctx, qs) in enumerate(shape.cases.values())]
     for i in indices:
         for case in cases:
+            if not applies(configs[i], case):
+                continue
             try:
                 call(shape, case, configs[i])
             except Exception:  # noqa: BLE001 - the timing process records the error
@@ -209,29 +283,42 @@ def _precompile(indices: list[int]) -> None:
     torch.cuda.synchronize()
 
 
-def precompile(n_configs: int) -> float:
+def precompile(n_configs: int, unified_grid: bool) -> float:
     t = time.time()
     workers = max(1, min(12, (os.cpu_count() or 2) - 2, n_configs))
     chunks = [list(range(i, n_configs, workers)) for i in range(workers)]
     try:
         with mp.get_context("spawn").Pool(workers) as pool:
-            pool.map_async(_precompile, chunks).get(timeout=150)
+            pool.starmap_async(_precompile, [(unified_grid, c) for c in chunks]).get(timeout=110)
     except Exception as exc:  # noqa: BLE001 - the timing process then compiles what is missing itself
         print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in the timing process", flush=True)
     return time.time() - t
 
 
-def forward_ms(shape: Shape, case: dict[str, Any], dry: bool) -> float:
-    """TritonImpl.forward as the engine calls it (reshape_and_cache of the step's K/V, then the kernel)."""
+def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: float, dry: bool,
+                fresh: bool) -> dict[str, Any]:
+    """TritonImpl.forward as the engine calls it (reshape_and_cache of the step's K/V, then the kernels), the
+    fresh route as build_metadata decides (`fresh`) or switched off; checked, then timed."""
     from pagedllm.plugins.attention.triton_backend import TritonBackend
     from pagedllm.protocols.attention import AttentionLayerConfig
 
     layer = AttentionLayerConfig(shape.heads, shape.head, shape.kv_heads, shape.head**-0.5)
     impl, md = TritonBackend.make_impl(layer), TritonBackend.build_metadata(case["common"])
-    tokens = case["q"].shape[0]
-    k = torch.randn(tokens, shape.kv_heads, shape.head, device=shape.device).to(shape.dtype)
-    cache = case["cache"].clone()  # forward writes the step's K/V: keep the checked cache intact
-    return time_ms(lambda: impl.forward(case["q"], k, k, cache, md), dry)
+    if not fresh:
+        md.fresh_from = None
+    # forward rewrites the step's K/V at their slots: the same values (build_case), so the cache stays as checked
+    def run() -> torch.Tensor:
+        return impl.forward(case["q"], case["k"], case["v"], case["cache"], md)
+
+    try:
+        out = run()
+        rel = float((out.float() - ref).norm() / ref.norm())
+        ms = time_ms(run, dry)
+        return {"ms": round(ms, 4), "TFLOPs": round(work / ms / 1e9, 1), "rel_l2": rel,
+                "ok": bool(rel < 1e-2 and not torch.isnan(out).any()),
+                "fresh_from": md.fresh_from, "num_reqs": case["common"].num_reqs}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def main() -> None:
@@ -239,10 +326,12 @@ def main() -> None:
     ap.add_argument("--out", default="prefill_sweep.json")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process (slower)")
+    ap.add_argument("--unified-grid", action="store_true", help="also the unified kernel's full grid (+~60 s)")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds after which configs are skipped")
     args = ap.parse_args()
     dry = args.dry_run
     shape = dry_shape() if dry else gpu_shape()
-    configs = grid(dry)
+    configs = grid(dry, args.unified_grid)
     results: dict[str, Any] = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
                                "torch": torch.__version__, "configs": [asdict(c) for c in configs], "cases": {}}
     import triton
@@ -251,9 +340,10 @@ def main() -> None:
 
     results["triton"] = triton.__version__
     results["table"] = {"PREFILL": asdict(tt.PREFILL), "MIXED": asdict(tt.MIXED), "DECODE": asdict(tt.DECODE),
-                        "PREFILL_MIN_TOKENS_PER_REQ": tt.PREFILL_MIN_TOKENS_PER_REQ}
+                        "PREFILL_MIN_TOKENS_PER_REQ": tt.PREFILL_MIN_TOKENS_PER_REQ,
+                        "FRESH_PREFILL": asdict(tt.FRESH_PREFILL), "FRESH_MIN_QUERY_LEN": tt.FRESH_MIN_QUERY_LEN}
     if not dry and not args.no_precompile:
-        results["precompile_s"] = round(precompile(len(configs)), 1)
+        results["precompile_s"] = round(precompile(len(configs), args.unified_grid), 1)
         print(f"[{time.time() - T0:6.1f}s] precompiled {len(configs)} configs", flush=True)
 
     cases = {name: build_case(shape, ctx, qs, seed) for seed, (name, (ctx, qs)) in enumerate(shape.cases.items())}
@@ -264,7 +354,8 @@ def main() -> None:
 
     def measure(name: str, config: Any) -> dict[str, Any]:
         case = cases[name]
-        row: dict[str, Any] = {"config": asdict(config) if config is not None else "default"}
+        row: dict[str, Any] = {"config": asdict(config) if config is not None else "default",
+                               "kernel": "fresh" if is_fresh(config) else "unified"}
         try:
             call(shape, case, config)  # compile / load, then check
             diff = case["out"].float() - refs[name]
@@ -280,18 +371,16 @@ def main() -> None:
 
     for name in cases:  # the rule's default and the engine path first: always measured
         results["cases"][name]["default"] = measure(name, None)
-        try:
-            ms = forward_ms(shape, cases[name], dry)
-            results["cases"][name]["forward"] = {"ms": round(ms, 4), "TFLOPs": round(work[name] / ms / 1e9, 1)}
-        except Exception as exc:  # noqa: BLE001
-            results["cases"][name]["forward"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        for key, fresh in (("forward", True), ("fwd-paged", False)):
+            results["cases"][name][key] = forward_row(shape, cases[name], refs[name], work[name], dry, fresh)
     skipped = 0
     for config in configs:
-        if time.time() - T0 > BUDGET_S:
+        if not dry and time.time() - T0 > args.budget:
             skipped += 1
             continue
         for name in cases:
-            results["cases"][name]["rows"].append(measure(name, config))
+            if applies(config, cases[name]):
+                results["cases"][name]["rows"].append(measure(name, config))
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     results["skipped_configs"] = skipped
@@ -302,25 +391,40 @@ def main() -> None:
 
 
 def _label(c: dict[str, Any]) -> str:
+    if "kv_load" in c:  # fresh kernel: F, then h/d/p = host / device descriptors / pointers, W warp-specialized
+        flags = c["kv_load"][0] + ("W" if c["warp_specialize"] else "") + ("" if c["pack_gqa"] else "H")
+        return f"F m{c['rows']} t{c['tile_n']} w{c['num_warps']} s{c['num_stages']} {flags}"
     flags = "".join(f for f, on in (("R", c["reverse"]), ("K", c["k_rows"]), ("H", not c["pack_gqa"])) if on)
     return f"m{c['rows']} t{c['tile_n']} w{c['num_warps']} s{c['num_stages']} {flags or '-'}"
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    """Per case: the best 8 configs, the v1 best, the default and the engine path (R reverse, K k_rows, H per head)."""
+    """Per case: the best 8 configs of each kernel, the v1 best, the defaults and the engine path (R reverse,
+    K k_rows, H per head; fresh rows: F ... h/d/p descriptors on the host / device or pointers, W warp spec)."""
     v1 = asdict(v1_best_config())
+    fresh_default = results["table"]["FRESH_PREFILL"]
     for name, res in results["cases"].items():
         print(f"\n== {name} ({res['gflop']} GFLOP)  {'config':<24} {'TFLOP/s':>8} {'ms':>8} {'rel_l2':>8}  ok")
         rows = [r for r in res["rows"] if "ms" in r]
-        best = sorted(rows, key=lambda r: -r["TFLOPs"])[:8]
-        marked = [("best", r) for r in best] + [("v1 best", r) for r in rows if r["config"] == v1]
+        marked = []
+        for kernel in ("unified", "fresh"):
+            mine = [r for r in rows if r.get("kernel") == kernel]
+            marked += [("best", r) for r in sorted(mine, key=lambda r: -r["TFLOPs"])[:8]]
+        marked += [("v1 best", r) for r in rows if r["config"] == v1]
+        marked += [("F dflt", r) for r in rows if r["config"] == fresh_default]
         for tag, r in marked:
             print(f"   {tag:<8} {_label(r['config']):<24} {r['TFLOPs']:>8} {r['ms']:>8} {r['rel_l2']:>8.1e}  {r['ok']}")
         d = res["default"]
         if "ms" in d:
-            print(f"   {'default':<8} {'(rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
-        f = res["forward"]
-        print(f"   {'forward':<8} {'(TritonImpl.forward)':<24} {f.get('TFLOPs', f.get('error'))!s:>8}")
+            print(f"   {'default':<8} {'(unified rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
+        for key, what in (("forward", "(TritonImpl.forward)"), ("fwd-paged", "(forward, fresh off)")):
+            f = res[key]
+            if "ms" in f:
+                routed = "paged only" if f["fresh_from"] is None else \
+                    f"fresh from request {f['fresh_from']} of {f['num_reqs']}"
+                print(f"   {key:<8} {what:<24} {f['TFLOPs']:>8} {f['ms']:>8} {f['rel_l2']:>8.1e}  {f['ok']}  {routed}")
+            else:
+                print(f"   {key:<8} {what:<24} {f.get('error')}")
         bad = [r for r in res["rows"] if "error" in r or not r.get("ok")]
         if bad:
             print(f"   {len(bad)} config(s) failed or off: " + "; ".join(

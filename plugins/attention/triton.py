@@ -10,7 +10,25 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from pagedllm import hookimpl
+
+
+class TritonOptions(BaseModel):
+    """`plugins.triton`: switches of the triton attention backend (validated, so a typo is an error)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fresh_prefill: bool = Field(
+        True, description="requests with nothing cached before the step (fresh prompts, first chunks) attend "
+        "over the step's own K/V rows with TMA loads (triton_prefill.py) instead of the paged cache; false: "
+        "every request through the unified paged kernel (A/B runs)"
+    )
+
+
+# The options of the engine configured last in this process (config_loaded); the backend reads them per step.
+options = TritonOptions()
 
 
 def _load() -> Any:
@@ -41,6 +59,12 @@ def _check(ctx: Any) -> list[str]:
 def register_attention_backends(register: Any) -> None:
     # Above torch (0): on a GPU the kernel is the fast path.
     register(
-        "triton", _load, priority=50, requires=("triton",), check=_check,
-        description="Triton paged attention (unified prefill+decode, split-KV decode)",
+        "triton", _load, priority=50, requires=("triton",), check=_check, config_model=TritonOptions,
+        description="Triton paged attention (unified prefill+decode, split-KV decode, TMA fresh prefill)",
     )
+
+
+@hookimpl
+def config_loaded(config: Any) -> None:
+    global options
+    options = TritonOptions.model_validate(config.plugins.get("triton", {}))

@@ -28,16 +28,33 @@ query rows (16 requests x 4 heads, on tensor cores) for the flagged requests, th
 after them, and the segment reduction merges both. W4 on the H200: decode steps of ~496 requests 31.3 -> 23.5
 ms of GPU, 1.17x end to end (docs/perf-notes.md 7). P = 0 makes the same captured graph a plain step (direct
 output, the merge returns at once). Not used with a sliding window (a window's first key moves).
+
+NOTE 4 (fresh prefills, triton_prefill.py). A request with nothing cached before the step (seq_lens[i] equal
+to its query length: a prompt without a prefix hit, or a chunked prompt's first chunk) has all its keys in the
+step's own key/value tensors, which the fresh-prefill kernel reads as contiguous rows through TMA instead of
+gathering pages. build_metadata finds, from the host copies, the run of such requests that ends the batch
+(the scheduler lists running requests -- decodes, later chunks -- before newly admitted ones, so a step's
+fresh prompts are its last requests), taken when its longest has FRESH_MIN_QUERY_LEN tokens; the unified kernel
+takes the requests before the run (its grid is sized by their tokens, so it never looks at the run's rows),
+the fresh kernel the run. Both write disjoint rows of one output; reshape_and_cache still fills the pages
+for later steps. Never in a captured graph: graph steps are decodes or uniform q-token steps with
+q <= cuda_graph_max_query_len < FRESH_MIN_QUERY_LEN (so the capture's dummy step, fresh by construction,
+is not routed). Not with an fp8 cache (the kernel would attend to the
+unrounded K/V, unlike the unified kernel's), with a head the kernel lacks (not a power of two), or when the
+config's `plugins.triton.fresh_prefill` is false.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
+from pagedllm.plugins.attention import triton as triton_plugin
+from pagedllm.plugins.attention.triton_tuning import FRESH_MIN_QUERY_LEN
 from pagedllm.protocols.attention import AttentionLayerConfig, CommonAttentionMetadata
 
 # Programs we want in flight for one decode launch, per SM (NOTES 1, 2); measured by h200_check.py stage b.
@@ -54,6 +71,37 @@ class TritonMetadata:
     num_sms: int = 132
     # Force a split factor (benchmarks); None = the NOTE 1 policy per layer.
     num_segments: int | None = None
+    # NOTE 4: requests fresh_from .. num_reqs - 1 go to the fresh-prefill kernel (None: no request does).
+    fresh_from: int | None = None
+    # Device block plans of the fresh run, per rows-per-block (built by the first layer, shared by the rest).
+    fresh_plans: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def fresh_plan(self, block_q: int) -> torch.Tensor:
+        """The fresh run's block plan for `block_q` query tokens per block (triton_prefill.plan_blocks)."""
+        plan = self.fresh_plans.get(block_q)
+        if plan is None:
+            assert self.fresh_from is not None
+            from pagedllm.plugins.attention.triton_prefill import plan_blocks
+
+            common = self.common
+            starts = common.query_start_loc_cpu[self.fresh_from : common.num_reqs + 1].numpy()
+            plan = torch.from_numpy(plan_blocks(starts, block_q)).to(common.seq_lens.device, non_blocking=True)
+            self.fresh_plans[block_q] = plan
+        return plan
+
+
+def fresh_run_start(common: CommonAttentionMetadata) -> int | None:
+    """First request of the run of fresh prefills (nothing cached before the step) that ends the batch, if the
+    run's longest request has >= FRESH_MIN_QUERY_LEN new tokens; else None (NOTE 4). Host copies only."""
+    n = common.num_reqs
+    if n == 0 or common.num_decodes == n or common.max_query_len < FRESH_MIN_QUERY_LEN:
+        return None
+    lens = np.diff(common.query_start_loc_cpu[: n + 1].numpy())
+    stale = np.flatnonzero(common.seq_lens_cpu[:n].numpy() != lens)
+    start = int(stale[-1]) + 1 if stale.size else 0
+    if start == n or int(lens[start:].max()) < FRESH_MIN_QUERY_LEN:
+        return None
+    return start
 
 
 @functools.cache
@@ -117,14 +165,23 @@ class TritonImpl:
         )
         # Rows past num_actual_tokens (padding) are zero, as the torch backend leaves them.
         out = torch.zeros_like(query) if query.shape[0] > num_tokens else torch.empty_like(query)
+        query = query.contiguous() if query.stride(-1) != 1 else query
+        num_seqs = common.num_reqs
+        fresh_from = metadata.fresh_from
+        if fresh_from is not None and self._fresh_ok(query, key, value, kv_cache):  # NOTE 4: the run, the rest
+            self._fresh(query, key, value, out, metadata)
+            num_seqs = fresh_from
+            num_tokens = int(common.query_start_loc_cpu[num_seqs])
+            if num_seqs == 0:
+                return out
         unified_attention(
-            query.contiguous() if query.stride(-1) != 1 else query,
+            query,
             kv_cache,
             out,
             common.query_start_loc,
             common.seq_lens,
             common.block_table,
-            num_seqs=common.num_reqs,
+            num_seqs=num_seqs,
             num_tokens=num_tokens,
             scale=self.scale,
             sliding_window=self.sliding_window,
@@ -135,6 +192,30 @@ class TritonImpl:
             **self._cascade(metadata),
         )
         return out
+
+    def _fresh_ok(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether this layer sends a step's fresh run to the fresh-prefill kernel (NOTE 4)."""
+        if kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        from pagedllm.plugins.attention.triton_prefill import supports
+
+        return supports(self.head_size, query.dtype) and key.stride(1) == value.stride(1) == self.head_size
+
+    def _fresh(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, md: TritonMetadata
+    ) -> None:
+        from pagedllm.plugins.attention.triton_prefill import (
+            default_config,
+            fresh_prefill_attention,
+            launch_shape,
+        )
+
+        config = default_config()
+        block_q = launch_shape(config, self.num_heads // self.num_kv_heads)[1]
+        fresh_prefill_attention(
+            query, key, value, out, md.fresh_plan(block_q), md.common.num_actual_tokens, self.scale,
+            sliding_window=self.sliding_window, soft_cap=self.soft_cap, config=config,
+        )
 
     def _cascade(self, md: TritonMetadata) -> dict[str, Any]:
         """Cascade arguments for a decode-only step whose metadata carries the shared-prefix tensor (NOTE 3)."""
@@ -160,6 +241,8 @@ class TritonBackend:
     # The metadata holds only the common tensors and values fixed by the batch size: a decode step can be
     # captured in a CUDA graph and replayed with new contents in the same buffers.
     supports_cuda_graphs: ClassVar[bool] = True
+    # Uniform multi-token graph steps (speculative verification) stay below the fresh-prefill route (NOTE 4).
+    cuda_graph_max_query_len: ClassVar[int] = FRESH_MIN_QUERY_LEN - 1
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -168,9 +251,11 @@ class TritonBackend:
 
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata) -> TritonMetadata:
-        """Note whether the batch is decode-only (split-KV candidates); no device reads."""
+        """Note whether the batch is decode-only (split-KV candidates) and where its run of fresh prefills
+        starts (NOTE 4); no device reads."""
         decode_only = common.num_reqs > 0 and common.num_decodes == common.num_reqs
-        return TritonMetadata(common, decode_only, _num_sms(common.block_table.device))
+        fresh_from = fresh_run_start(common) if triton_plugin.options.fresh_prefill else None
+        return TritonMetadata(common, decode_only, _num_sms(common.block_table.device), fresh_from=fresh_from)
 
     @staticmethod
     def make_impl(layer: AttentionLayerConfig) -> TritonImpl:

@@ -65,6 +65,36 @@ MIXED_MIN_TOKENS_PER_REQ = 4  # above: MIXED (the v1 kernel's "prefill-heavy" ru
 PREFILL_MIN_TOKENS_PER_REQ = 128  # at or above: PREFILL
 
 
+@dataclass(frozen=True)
+class FreshPrefillConfig:
+    """One launch configuration of triton_prefill._fresh_prefill_kernel (fresh prefills, K/V from the step's
+    own contiguous key/value rows: NOTE 5)."""
+
+    rows: int  # BLOCK_M: query rows per program (tokens x G heads with pack_gqa)
+    tile_n: int  # keys per inner-loop step (one TMA box of [tile_n, head])
+    num_warps: int
+    num_stages: int
+    kv_load: str = "host"  # "host" / "device" TMA descriptors, or "pointer" loads (triton_prefill docstring)
+    # Triton's automatic warp specialization of the key loop: 4 warps, one head per program, descriptors made
+    # on the device (triton_prefill's WARP_SPEC NOTE says why); ignored with pointer loads.
+    warp_specialize: bool = False
+    pack_gqa: bool = True  # rows = tokens x the G heads of a KV head; False: one query head's tokens
+
+
+# NOTE 5 (fresh prefills). A request with nothing cached before the step (seq_len == query_len) reads its keys
+# from the step's key/value tensors, not the pages: contiguous rows, so TMA boxes and Triton's Hopper pipeline
+# with no block-table indirection: the prefetch distance is num_stages - 1 (3 stages: triple K/V buffers, 129 KB
+# with Q), not NOTE 1's (num_stages - 1) // 2. Default: 128 rows (32 tokens x 4 heads) so each K/V tile feeds
+# twice the rows of the paged PREFILL entry (NOTE 1's L2 argument), tile 64, 8 warps, 3 stages, host
+# descriptors: 182 registers, no spills (Triton 3.6, sm_90a, offline). The warp-specialized variant (4 warps
+# become a TMA producer + two 64-row consumer warpgroups, 12 warps, 168 registers, 144 KB) compiles too; both
+# unmeasured until examples/gpu/prefill_sweep.py has run on the H200 (its F rows).
+FRESH_PREFILL = FreshPrefillConfig(rows=128, tile_n=64, num_warps=8, num_stages=3)
+# The backend routes a run of fresh requests to the fresh kernel when its longest has this many new tokens
+# (triton_backend NOTE 4; also the bound below which uniform steps may be graph-captured).
+FRESH_MIN_QUERY_LEN = 64
+
+
 def choose_config(num_tokens: int, num_seqs: int, num_segments: int) -> AttentionConfig:
     """The table entry for a batch of `num_tokens` new tokens over `num_seqs` requests (module docstring)."""
     if num_segments > 1 or num_tokens <= num_seqs * MIXED_MIN_TOKENS_PER_REQ:
