@@ -84,12 +84,17 @@ class FreshPrefillConfig:
 # NOTE 5 (fresh prefills). A request with nothing cached before the step (seq_len == query_len) reads its keys
 # from the step's key/value tensors, not the pages: contiguous rows, so TMA boxes and Triton's Hopper pipeline
 # with no block-table indirection: the prefetch distance is num_stages - 1 (3 stages: triple K/V buffers, 129 KB
-# with Q), not NOTE 1's (num_stages - 1) // 2. Default: 128 rows (32 tokens x 4 heads) so each K/V tile feeds
-# twice the rows of the paged PREFILL entry (NOTE 1's L2 argument), tile 64, 8 warps, 3 stages, host
-# descriptors: 182 registers, no spills (Triton 3.6, sm_90a, offline). The warp-specialized variant (4 warps
-# become a TMA producer + two 64-row consumer warpgroups, 12 warps, 168 registers, 144 KB) compiles too; both
-# unmeasured until examples/gpu/prefill_sweep.py has run on the H200 (its F rows).
-FRESH_PREFILL = FreshPrefillConfig(rows=128, tile_n=64, num_warps=8, num_stages=3)
+# with Q), not NOTE 1's (num_stages - 1) // 2. The first default was 128 rows (32 tokens x 4 heads), tile 64,
+# 8 warps, 3 stages, host descriptors (182 registers, no spills, Triton 3.6, sm_90a, offline); the sweep below
+# picked 64 rows / 4 warps. The warp-specialized variant (4 warps become a TMA producer + two 64-row consumer
+# warpgroups, 12 warps, 168 registers, 144 KB) compiles too.
+# Measured (H200, examples/gpu/prefill_sweep.py, 2026-11-30 00:33 UTC, bf16, 32/8 heads, head 128, 16 F rows):
+#   8 x 2048 causal: rows 64 tile 64 4 warps 3 stages host descriptors 452.0 TFLOP/s (the 128-row entry
+#   430.5; the paged kernel's best 333.5); 1 x 8192: 544.5 (best: rows 128 tile 128 8 warps, 568.0). Through
+#   TritonImpl.forward (cache write + route) 406.9 on 8 x 2048. The warp-specialized rows were correct at
+#   tile 128 / 2 stages (422.1) but gave NaN at tile 64 / 3-4 stages with device descriptors on Triton 3.6:
+#   warp specialization stays off.
+FRESH_PREFILL = FreshPrefillConfig(rows=64, tile_n=64, num_warps=4, num_stages=3)
 # The backend routes a run of fresh requests to the fresh kernel when its longest has this many new tokens
 # (triton_backend NOTE 4; also the bound below which uniform steps may be graph-captured).
 FRESH_MIN_QUERY_LEN = 64
