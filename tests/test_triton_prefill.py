@@ -90,9 +90,25 @@ def _common(contexts: list[int], queries: list[int], block_size: int = 16) -> An
     ([0, 0, 0], [16, 16, 16], None),  # a uniform step like a CUDA-graph capture's dummy: never routed
 ])
 def test_fresh_run_start(contexts: list[int], queries: list[int], start: int | None) -> None:
+    from pagedllm.plugins.attention.triton_backend import fresh_run_start
+
+    assert fresh_run_start(_common(contexts, queries)) == start
+
+
+def test_fresh_route_default_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend routes only runs whose longest request has `fresh_prefill_min_tokens` new tokens (2048 by
+    default: shorter prompts among decodes lost end to end on the H200); the option cannot go below 64."""
+    from pagedllm.plugins.attention import triton as plugin
     from pagedllm.plugins.attention.triton_backend import TritonBackend
 
-    assert TritonBackend.build_metadata(_common(contexts, queries)).fresh_from == start
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
+    assert plugin.options.fresh_prefill_min_tokens == 2048
+    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1024, 900])).fresh_from is None
+    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 2048, 900])).fresh_from == 1
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(fresh_prefill_min_tokens=64))
+    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1024, 900])).fresh_from == 1
+    with pytest.raises(Exception, match="fresh_prefill_min_tokens"):
+        plugin.TritonOptions.model_validate({"fresh_prefill_min_tokens": 32})
 
 
 def test_fresh_route_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,6 +267,7 @@ def _backend_case() -> dict[str, Any]:
     ref_cache = cache.clone()
     ref = TorchSDPABackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], ref_cache,
                                                     TorchSDPABackend.build_metadata(common))
+    plugin.options = plugin.TritonOptions(fresh_prefill_min_tokens=64)  # the default (2048) is for real sizes
     md = TritonBackend.build_metadata(common)
     got_cache = cache.clone()
     got = TritonBackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], got_cache, md)
@@ -293,7 +310,8 @@ def _engine_case() -> dict[str, Any]:
         tokens, logprobs = {}, {}
         for backend in ("torch", "triton"):
             llm = LLM(path, attention={"backend": backend}, device="cpu", dtype="float32",
-                      max_num_seqs=2, max_num_batched_tokens=128, block_size=16)
+                      max_num_seqs=2, max_num_batched_tokens=128, block_size=16,
+                      plugins={"triton": {"fresh_prefill_min_tokens": 64}})
             chosen = llm.engine.parts.selections["attention"].winner.name
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens[chosen] = [list(o.outputs[0].token_ids) for o in outs]

@@ -25,6 +25,12 @@ class TritonOptions(BaseModel):
         "over the step's own K/V rows with TMA loads (triton_prefill.py) instead of the paged cache; false: "
         "every request through the unified paged kernel (A/B runs)"
     )
+    fresh_prefill_min_tokens: int = Field(
+        2048, ge=64, description="the fresh route is taken for a step whose fresh run's longest request has at "
+        "least this many new tokens (64 at the least: smaller steps may be graph-captured). On the H200 the route "
+        "lost 2-3 % end to end on 1024-token prompts among decodes (W1, W5) while its kernel wins on long prompts "
+        "(8 x 2048: 452 vs 333 TFLOP/s; 1 x 8192: 545 vs 418)"
+    )
 
 
 # The options of the engine configured last in this process (config_loaded); the backend reads them per step.

@@ -34,7 +34,9 @@ to its query length: a prompt without a prefix hit, or a chunked prompt's first 
 step's own key/value tensors, which the fresh-prefill kernel reads as contiguous rows through TMA instead of
 gathering pages. build_metadata finds, from the host copies, the run of such requests that ends the batch
 (the scheduler lists running requests -- decodes, later chunks -- before newly admitted ones, so a step's
-fresh prompts are its last requests), taken when its longest has FRESH_MIN_QUERY_LEN tokens; the unified kernel
+fresh prompts are its last requests), taken when its longest has `plugins.triton.fresh_prefill_min_tokens`
+(default 2048; never under FRESH_MIN_QUERY_LEN) tokens -- measured end to end on the H200 the route cost 2-3 %
+on W1 / W5's 1024-token prompts among decodes, while its kernel is 1.3-1.4x at 2048-8192; the unified kernel
 takes the requests before the run (its grid is sized by their tokens, so it never looks at the run's rows),
 the fresh kernel the run. Both write disjoint rows of one output; reshape_and_cache still fills the pages
 for later steps. Never in a captured graph: graph steps are decodes or uniform q-token steps with
@@ -90,16 +92,18 @@ class TritonMetadata:
         return plan
 
 
-def fresh_run_start(common: CommonAttentionMetadata) -> int | None:
+def fresh_run_start(common: CommonAttentionMetadata, min_tokens: int = FRESH_MIN_QUERY_LEN) -> int | None:
     """First request of the run of fresh prefills (nothing cached before the step) that ends the batch, if the
-    run's longest request has >= FRESH_MIN_QUERY_LEN new tokens; else None (NOTE 4). Host copies only."""
+    run's longest request has >= min_tokens (never below FRESH_MIN_QUERY_LEN) new tokens; else None (NOTE 4).
+    Host copies only."""
     n = common.num_reqs
-    if n == 0 or common.num_decodes == n or common.max_query_len < FRESH_MIN_QUERY_LEN:
+    min_tokens = max(min_tokens, FRESH_MIN_QUERY_LEN)
+    if n == 0 or common.num_decodes == n or common.max_query_len < min_tokens:
         return None
     lens = np.diff(common.query_start_loc_cpu[: n + 1].numpy())
     stale = np.flatnonzero(common.seq_lens_cpu[:n].numpy() != lens)
     start = int(stale[-1]) + 1 if stale.size else 0
-    if start == n or int(lens[start:].max()) < FRESH_MIN_QUERY_LEN:
+    if start == n or int(lens[start:].max()) < min_tokens:
         return None
     return start
 
@@ -254,7 +258,8 @@ class TritonBackend:
         """Note whether the batch is decode-only (split-KV candidates) and where its run of fresh prefills
         starts (NOTE 4); no device reads."""
         decode_only = common.num_reqs > 0 and common.num_decodes == common.num_reqs
-        fresh_from = fresh_run_start(common) if triton_plugin.options.fresh_prefill else None
+        options = triton_plugin.options
+        fresh_from = fresh_run_start(common, options.fresh_prefill_min_tokens) if options.fresh_prefill else None
         return TritonMetadata(common, decode_only, _num_sms(common.block_table.device), fresh_from=fresh_from)
 
     @staticmethod
