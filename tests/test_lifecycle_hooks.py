@@ -111,3 +111,25 @@ def test_dropping_the_llm_shuts_the_engine_down(tiny_root: Path) -> None:
     assert gc.get_freeze_count() > 1000
     del llm
     assert engine._closed and gc.get_freeze_count() == 0
+
+
+def test_shutdown_frees_the_model_while_the_llm_is_held(tiny_root: Path) -> None:
+    """After shutdown() the weights and KV cache are collectable although the caller keeps the LLM (a CUDA
+    engine's memory returns to the driver then), and a new request is refused with the reason."""
+    import weakref
+
+    import pytest
+
+    from pagedllm import LLM
+
+    llm = LLM(make_tiny_model("llama", tiny_root), num_threads=1)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    runner = llm.engine.core.runner
+    weight = weakref.ref(next(llm.engine.parts.model.parameters()))
+    cache = weakref.ref(runner.kv_caches[0])
+    llm.shutdown()
+    assert weight() is None and cache() is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.engine.add_request("again", {"prompt_token_ids": [5]}, SamplingParams(max_tokens=1))

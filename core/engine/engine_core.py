@@ -219,4 +219,7 @@ class EngineCore:
         """Stop the executor's remote ranks (a no-op for the in-process executor); safe to call twice."""
         if self.executor is not None:
             self.executor.shutdown()
+        release = getattr(self.runner, "release", None)  # a runner without it keeps its tensors until collected
+        if release is not None:
+            release()
         gc.unfreeze()  # see __init__: the engine's objects may be collected again

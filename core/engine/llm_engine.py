@@ -5,8 +5,11 @@ Shaped like vLLM's: add_request / step / abort_request / has_unfinished_requests
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
+
+import torch
 
 from pagedllm.config import EngineConfig, flat_overrides
 from pagedllm.engine.builder import EngineParts, build_engine
@@ -76,6 +79,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Malformed prompts raise ValueError; ones the core can never run (too long for the
         context) are accepted and then finish with finish_reason "error" and a message, alone."""
+        if self._closed:
+            raise RuntimeError("this engine was shut down; build a new LLM / LLMEngine to run more requests")
         if request_id in self.processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.tokenize(prompt)
@@ -118,7 +123,13 @@ class LLMEngine:
         return self.parts.kv_cache_manager.usage
 
     def shutdown(self) -> None:
+        """Fire engine_stopped, stop the core and free the model's device memory (the runner drops its model,
+        KV cache and graphs; `parts.model` goes too), even while this object is still referenced."""
         if not self._closed:
             self._closed = True
             self.pm.hook.engine_stopped(engine=self)
             self.core.shutdown()
+            self.parts.model = None
+            gc.collect()  # the model's reference cycles (modules <-> hooks) hold its tensors otherwise
+            if self.parts.device.type == "cuda":
+                torch.cuda.empty_cache()

@@ -160,6 +160,17 @@ class ModelRunner:
             self._graphs.release()
             self._graphs = None
 
+    def release(self) -> None:
+        """Drop the graphs, model, KV cache and step buffers (engine shutdown), so their device memory goes back
+        to the allocator -- and, after the engine's empty_cache, to the driver -- even while the caller still
+        holds the LLM object. The runner cannot step afterwards."""
+        self.release_cuda_graphs()
+        self.model = None
+        self.kv_caches = []
+        self._buffers = None
+        self.speculator = None
+        self.states.clear()
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
