@@ -147,6 +147,31 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def softcap_log2(s, qk_scale, soft_cap):
+    """Raw scores -> cap * tanh(s * scale / cap) in log2 units (tanh via exp: not every Triton has tl tanh)."""
+    s = s * (qk_scale * 0.6931471805599453)
+    s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
+    return s * 1.4426950408889634
+
+
+@triton.jit
+def softmax_step(s, m_i, qk_scale, USE_SOFTCAP: tl.constexpr):
+    """One online-softmax step over a tile of masked scores: (p, alpha, m_new), all in log2 units.
+
+    Without a soft-cap the raw scores stay unscaled: the row max is scaled once per row (the scale is
+    positive) and exp2's argument is one FMA per score, s * qk_scale - m, not a multiply and a subtract. A row
+    with nothing visible yet keeps m = -inf and is shifted by 0, so exp2() gives 0, not NaN.
+    Shared by the paged kernel and the fresh-prefill one (triton_prefill.py)."""
+    if USE_SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp2(s - m_safe[:, None]) if USE_SOFTCAP else tl.exp2(s * qk_scale - m_safe[:, None])
+    return p, tl.exp2(m_i - m_safe), m_new
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, tile, k_base, stride_c_kv, stride_c_blk, stride_c_slot, bt_row, seq_len, key_limit,
     row_ok, offs_n, offs_d, d_ok, qk_scale, soft_cap, window,
@@ -183,25 +208,13 @@ def _attend_tile(
         v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k)) if K_ROWS else tl.dot(q, k)
     if USE_SOFTCAP:
-        # cap * tanh(x / cap) in natural units (tanh via exp: not every Triton has tl tanh), then log2 units.
-        s = s * (qk_scale * 0.6931471805599453)
-        s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
-        s = s * 1.4426950408889634
+        s = softcap_log2(s, qk_scale, soft_cap)
     if MASKED:
         visible = key_ok[None, :] & (key_pos[None, :] <= key_limit[:, None]) & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > key_limit[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # NOTE: without a soft-cap the raw scores stay unscaled: the row max is scaled once per row (the scale is
-    # positive) and exp2's argument becomes one FMA per score, s * qk_scale - m, not a multiply and a subtract.
-    if USE_SOFTCAP:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-    # A row with nothing visible yet keeps m = -inf; shift by 0 there so exp2() gives 0, not NaN.
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    p = tl.exp2(s - m_safe[:, None]) if USE_SOFTCAP else tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    p, alpha, m_new = softmax_step(s, m_i, qk_scale, USE_SOFTCAP)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.plugins.attention.triton_kernels import softcap_log2, softmax_step
 from pagedllm.plugins.attention.triton_tuning import FRESH_PREFILL, FreshPrefillConfig
 
 
@@ -68,25 +69,14 @@ def _fresh_tile(
             v = tl.load(v_ptrs)
     s = tl.dot(q, tl.trans(k))
     if USE_SOFTCAP:
-        # cap * tanh(x / cap) in natural units (tanh via exp), then log2 units: as the unified kernel.
-        s = s * (qk_scale * 0.6931471805599453)
-        s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
-        s = s * 1.4426950408889634
+        s = softcap_log2(s, qk_scale, soft_cap)
     if MASKED:
         key_pos = start_n + offs_n
         visible = key_pos[None, :] <= q_pos[:, None]
         if USE_WINDOW:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-    # Raw scores stay unscaled without a soft-cap: the row max is scaled once per row and exp2's argument is
-    # one FMA per score (the unified kernel's NOTE).
-    if USE_SOFTCAP:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet: exp2 gives 0
-    p = tl.exp2(s - m_safe[:, None]) if USE_SOFTCAP else tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    p, alpha, m_new = softmax_step(s, m_i, qk_scale, USE_SOFTCAP)
     # acc scaled then accumulated by the dot itself (no second [BLOCK_M, HEAD] float32 tile live), l last:
     # both as Triton's fused-attention tutorial orders them, to keep registers down.
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
