@@ -18,7 +18,8 @@ A kernel that triggers and is followed by an ordinary launch changes nothing: or
 for every earlier kernel. CUDA-graph capture keeps the attribute as a programmatic edge (CUDA >= 12.3).
 
 Which GEMVs use it: PDL_KERNELS, or PAGEDLLM_PDL=all | none | w4a16,dense. Never on the CPU or under the
-Triton interpreter (inline PTX), on GPUs before sm_90, or with a Triton whose launcher has no `launch_pdl`. Imported by the kernel modules only (it imports triton).
+Triton interpreter (inline PTX), on GPUs before sm_90, or with a Triton whose launcher has no `launch_pdl`.
+Imported by the kernel modules only (it imports triton).
 """
 
 from __future__ import annotations

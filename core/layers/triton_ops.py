@@ -20,7 +20,7 @@ NOTE 2 (CPU tensors): under TRITON_INTERPRET=1 the same kernels run on CPU tenso
 that. bf16 arithmetic is not faithful in the interpreter, so the CPU tests cover fp32 and fp16 only.
 
 NOTE 3 (PDL, layers/pdl.py): RMSNorm and act_and_mul come right before the decode GEMVs (qkv, gate_up, the LM
-head; down), which launch with programmatic dependent launch: each program here lets the GEMV start at once,
+head; down), which may launch with programmatic dependent launch: each program here lets such a GEMV start,
 so its weight prefetch overlaps this kernel; the GEMV still waits for this kernel's output. With no PDL
 successor the trigger does nothing.
 """

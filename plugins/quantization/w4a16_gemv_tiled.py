@@ -290,7 +290,6 @@ _TARGET_PROGRAMS = 1584
 # M = 1 starting points (BLOCK_N, BLOCK_K), one warp: the sm_90 compile's best registers x instructions per code
 # (docs/perf-notes.md §5c): 8 columns per thread halve the activation loads per code.
 _M1_TILES = {"tile": (256, 64), "tile_pf": (128, 64), "mant": (256, 64), "mant_pf": (256, 64)}
-# Measured choices, (variant, m, n, k) -> blocks: filled from examples/gpu/w4_gemv_sweep.py's H200 output.
 # (variant, M, N, K) -> blocks: the H200 sweep's best per Llama-3.1-8B shape (`python examples/gpu/w4_gemv_sweep.py`,
 # docs/benchmarks.md; split is the requested split-K). M = 1: 2026-11-30 00:20 UTC with the chunked split-K sum
 # and PDL (53.9 us per layer); M = 2, 4: 2026-11-29 19:26 UTC. Other shapes use tiled_blocks' rule.
