@@ -4,7 +4,8 @@ Checkpoints are packed from the published GPTQ format by tests/quant_packers.py 
 v2, symmetric), repacked K-major, and compared with x @ dequantize(...) in float64. Bound, elementwise, with
 S = |x| @ |W^T|: |y - ref| <= 1e-5 S (+ one float16 ulp of ref for float16 outputs): the mantissa trick gives
 up ~8 bits of float32 (w4a16_gemv_tiled NOTE 2). Split-K cases also check the same bits on a second run and
-the tickets back at zero. A last test compiles the kernel for sm_90a offline (no GPU): no spills.
+the tickets back at zero. A tiny GPTQ Llama through the engine with PAGEDLLM_W4A16_KMAJOR=1 gives
+transformers' greedy tokens; a last test compiles the kernel for sm_90a offline (no GPU): no spills.
 """
 
 from __future__ import annotations
@@ -64,9 +65,48 @@ def _run() -> dict[str, Any]:
     return results
 
 
+def _run_engine() -> dict[str, Any]:
+    """A tiny GPTQ 4-bit Llama (v1, asymmetric, group 32) with PAGEDLLM_W4A16_KMAJOR=1: the greedy tokens of
+    the engine (every linear through kmajor_matmul: the GEMV for decode steps, dequantize + matmul for the
+    prefills) against transformers' float32 model with the dequantized weights."""
+    import os
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from quant_packers import dense_model, write_quantized_llama
+    from tiny_models import hf_greedy_with, make_tiny_model
+
+    from pagedllm import LLM, SamplingParams
+
+    os.environ["PAGEDLLM_W4A16_KMAJOR"] = "1"
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, 17)]
+    with tempfile.TemporaryDirectory() as root:
+        src = make_tiny_model("llama", Path(root))
+        folder = Path(root) / "gptq4"
+        dense = write_quantized_llama(src, folder, "gptq", bits=4, group_size=32, v1=True)
+        reference = dense_model(src, dense)
+        expected = [hf_greedy_with(reference, p, 6)[0] for p in prompts]
+        llm = LLM(str(folder), block_size=4, max_num_batched_tokens=64, num_kv_blocks=128)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        layers = [m for m in llm.engine.parts.model.modules() if "w4a16_layout" in m.__dict__]
+        result = {"equal": [list(o.outputs[0].token_ids) for o in outs] == [list(e) for e in expected],
+                  "layers": len(layers), "kmajor": sum(bool(m.__dict__.get("w4a16_kmajor")) for m in layers)}
+        llm.shutdown()
+    return result
+
+
 @functools.cache
 def _results() -> dict[str, Any]:
     return dict(run_interpreted(__file__))
+
+
+def test_engine_greedy_with_kmajor_layers_matches_transformers() -> None:
+    got = run_interpreted(__file__, "engine", timeout=600)
+    assert got["layers"] > 0 and got["kmajor"] == got["layers"], got
+    assert got["equal"], got
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -118,4 +158,4 @@ if __name__ == "__main__":
     import json
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    print(json.dumps(_run()))
+    print(json.dumps(_run_engine() if sys.argv[1:] == ["engine"] else _run()))

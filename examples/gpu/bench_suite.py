@@ -172,10 +172,12 @@ def start_engine(args: argparse.Namespace, quantization: str | None, utilization
     parts = llm.engine.parts
     info["kv_cache_tokens"] = parts.num_blocks * parts.block_size
     info["selections"] = parts.describe()
-    # Packed weights may live in integer buffers (GGUF blocks); float buffers are rotary tables, not weights.
+    # Packed weights may live in integer buffers (GGUF blocks, K-major W4A16 words) and W4A16's K-major scales
+    # and zeros in float ones (w4a16_*); other float buffers are rotary tables, not weights.
     model = parts.model
     info["weight_bytes"] = (sum(p.numel() * p.element_size() for p in model.parameters())
-                            + sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_floating_point()))
+                            + sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                                  if not b.is_floating_point() or name.rsplit(".", 1)[-1].startswith("w4a16_")))
     return llm, info
 
 
@@ -302,7 +304,8 @@ def graph_replay_check(model: Any) -> dict[str, Any] | None:
     layer = next((m for name, m in model.named_modules() if name.endswith("layers.0.mlp.gate_up_proj")), None)
     if layer is None or "w4a16_layout" not in layer.__dict__:
         return None
-    k = layer.qweight.shape[0] * layer.__dict__["w4a16_layout"].pack_factor
+    qw_t = getattr(layer, "w4a16_qw_t", None)  # PAGEDLLM_W4A16_KMAJOR=1: the K-major words [N, K / 8]
+    k = qw_t.shape[1] * 8 if qw_t is not None else layer.qweight.shape[0] * layer.__dict__["w4a16_layout"].pack_factor
     out: dict[str, Any] = {}
     for m in (1, 16, 128):
         try:

@@ -1,6 +1,7 @@
 """A W4A16 decode GEMV over a K-major repack of GPTQ weights: whole rows per program, as the dense GEMV.
 
-Experimental (issue 7, docs/perf-notes.md §12): the engine does not route to it yet. The GPTQ layout keeps N
+Experimental (issue 7, docs/perf-notes.md §12): off unless PAGEDLLM_W4A16_KMAJOR=1 (w4a16_method.py), until
+the H200 has measured it. The GPTQ layout keeps N
 contiguous ([K / 8, N] words), so a decode GEMV must split K across programs to fill the GPU and sum partials
 (w4a16_gemv_tiled.py: 53.9 us per Llama-8B layer on the H200, 1.0-1.6 TB/s on qkv / o). The dense 16-bit GEMV
 (layers/dense_gemv_kernel.py) reads W [N, K] with K contiguous, so a program covers whole rows, warps lie along
@@ -16,6 +17,11 @@ K, and it streams the same shapes at 3.3-4.4 TB/s with no split. This kernel is 
     per (row, 32 inputs)            acc += s * (256 (P - X_even - X_odd / 16) - z (X_even + X_odd))
     end                             one cross-lane sum per row; split > 1: layers/split_k.py's partials
 
+More than KMAJOR_MAX_M rows (prefill, batched decode): `kmajor_matmul` dequantizes W [N, K] into a 16-bit
+scratch (one Triton pass, K contiguous on both sides) and cuBLAS multiplies, as w4a16_dequant.py does from 128
+rows of the GPTQ layout; the in-register GEMM for 9-127 rows has no K-major form (those steps pay the
+dequantization: the experiment is about single-stream decode).
+
 Registers stay low (BLOCK_N x 4 words, 32 inputs, BLOCK_N accumulators), so many programs fit an SM and their
 16-byte loads keep bytes in flight, as in the dense kernel. Group sizes that are a multiple of 32; no act-order
 (g_idx) -- sort_act_order's sorted groups would be, but that path is not wired here.
@@ -24,7 +30,10 @@ Under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 activations give
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -143,16 +152,22 @@ def _w4a16_gemv_kmajor_kernel(
             tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kmajor_blocks(m: int, n: int, k: int) -> GemvBlocks:
     """The starting point a sweep refines: 4 rows per program at M = 1 (2 beyond), 4 warps along K
     (BLOCK_K 4096 = 1024 per warp), no split where N / BLOCK_N already gives ~8 programs per SM."""
-    block_n = 4 if m == 1 else 2
+    # Under the interpreter (CPU tests) every program is a Python loop: few, wide programs.
+    block_n = 64 if _interpreting() else 4 if m == 1 else 2
     warps = 4
     while warps > 1 and 1024 * warps > k:
         warps //= 2
+    block_k = min(1024 * warps, max(32, triton.next_power_of_2(k)))  # small K (tests): no masked-out steps
     col_blocks = triton.cdiv(n, block_n)
-    split = 1 if col_blocks >= 1056 else max(1, min(triton.cdiv(1056, col_blocks), k // (1024 * warps)))
-    return GemvBlocks(block_n, 1024 * warps, warps, split)
+    split = 1 if col_blocks >= 1056 else max(1, min(triton.cdiv(1056, col_blocks), k // block_k))
+    return GemvBlocks(block_n, block_k, warps, split)
 
 
 def w4a16_gemv_kmajor(
@@ -193,3 +208,47 @@ def w4a16_gemv_kmajor(
         num_warps=warps,
     )
     return sk.y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _kmajor_dequant_kernel(
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_qw, stride_s, stride_w,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """W [N, K] = (q - z) * s in w's dtype, the product rounded once (as dequantize() rounds)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    ok = n_ok[:, None] & (offs_k < K)[None, :]
+    words = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qw + (offs_k // 8)[None, :], mask=ok, other=0)
+    q = (words >> ((offs_k % 8) * 4)[None, :]) & 0xF
+    g = offs_k // GROUP_SIZE
+    s = tl.load(s_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs_n[:, None] * stride_s + g[None, :], mask=ok, other=0.0).to(tl.float32)
+    w = (q.to(tl.float32) - z) * s
+    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def kmajor_dequantize(
+    layout: PackedLayout, qw_t: torch.Tensor, s_t: torch.Tensor, z_t: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """W [N, K] in `dtype` from repack_kmajor's tensors (a per-call scratch from the caching allocator)."""
+    n, k = qw_t.shape[0], qw_t.shape[1] * 8
+    w = torch.empty(n, k, dtype=dtype, device=qw_t.device)
+    block_n, block_k = 64 if _interpreting() else 16, min(256, max(32, triton.next_power_of_2(k)))
+    _kmajor_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qw_t, s_t, z_t, w, n, k, qw_t.stride(0), s_t.stride(0), w.stride(0),
+        GROUP_SIZE=layout.group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return w
+
+
+def kmajor_matmul(
+    x: torch.Tensor, layout: PackedLayout, qw_t: torch.Tensor, s_t: torch.Tensor, z_t: torch.Tensor
+) -> torch.Tensor:
+    """y = x @ W^T from repack_kmajor's tensors: the GEMV up to KMAJOR_MAX_M rows, else dequantize + cuBLAS."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 1 <= m <= KMAJOR_MAX_M:
+        return w4a16_gemv_kmajor(x, layout, qw_t, s_t, z_t)
+    return F.linear(x, kmajor_dequantize(layout, qw_t, s_t, z_t, x.dtype))
