@@ -129,6 +129,8 @@ class LLMEngine:
             self._closed = True
             self.pm.hook.engine_stopped(engine=self)
             self.core.shutdown()
+            if self.parts is None:  # a data-parallel front end: the replicas hold the models
+                return
             self.parts.model = None
             gc.collect()  # the model's reference cycles (modules <-> hooks) hold its tensors otherwise
             if self.parts.device.type == "cuda":
