@@ -54,7 +54,7 @@ import triton.language as tl
 
 from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
 from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
-from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
+from pagedllm.layers.split_k import reduce_split, split_k
 
 
 @triton.jit
@@ -155,14 +155,10 @@ def _dense_gemv_kernel(
     if not FUSED_SPLIT:
         _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS, HAS_BIAS)
     else:  # NOTE 2
-        MN = ROWS * N
-        store_rows(part_ptr + pid_k * MN + offs_n, N, p0, p1, p2, p3, n_ok, ROWS)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:
-            t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
+        last, t0, t1, t2, t3 = reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS,
+                                          p0, p1, p2, p3, ROWS, BLOCK_N)
+        if last:
             _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS)
-            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def dense_gemv(

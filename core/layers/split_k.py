@@ -61,6 +61,24 @@ def sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS: tl.constexpr
     return t0, t1, t2, t3
 
 
+@triton.jit
+def reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS, t0, t1, t2, t3,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's partials [ROWS, BLOCK_N] stored, then its n block's ticket drawn (module docstring).
+
+    Returns (last, sums): the program that draws the last ticket gets the n block's totals, in a fixed order,
+    and has already put the ticket back to 0; every other program gets its own partials back and stores
+    nothing. The caller writes y when `last` (adding a bias or rounding as its kernel does)."""
+    MN = ROWS * N
+    store_rows(part_ptr + pid_k * MN + offs_n, N, t0, t1, t2, t3, n_ok, ROWS)
+    tl.debug_barrier()  # every thread's stores before the ticket
+    last = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    if last:
+        t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
+        tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    return last, t0, t1, t2, t3
+
+
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 # Outgrown ticket buffers are kept, never freed: a CUDA graph captured earlier may still point at one.
 _RETIRED: list[torch.Tensor] = []

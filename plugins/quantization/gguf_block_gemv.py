@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
+from pagedllm.layers.split_k import reduce_split, split_k, store_rows
 
 BLOCK_MAX_M = 4  # accumulators unrolled for this many rows (sum_split_partials' limit too)
 # ggml type id -> bytes per block (32 weights each): the types this kernel decodes.
@@ -194,14 +194,10 @@ def _gguf_block_gemv_kernel(
     if not FUSED_SPLIT:
         store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
     else:  # module doc: layers/split_k.py's ticket reduction
-        MN = ROWS * N
-        store_rows(part_ptr + pid_k * MN + offs_n, N, t0, t1, t2, t3, n_ok, ROWS)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:
-            s0, s1, s2, s3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
+        last, s0, s1, s2, s3 = reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS,
+                                          t0, t1, t2, t3, ROWS, BLOCK_N)
+        if last:
             store_rows(y_ptr + offs_n, stride_ym, s0, s1, s2, s3, n_ok, ROWS)
-            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def block_reason(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> str | None:

@@ -37,11 +37,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
+from pagedllm.layers.split_k import reduce_split, split_k, store_rows
 from pagedllm.plugins.quantization.w4a16_gemv import GemvBlocks
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, unpack_codes
 
 KMAJOR_MAX_M = 4
+# Read once: the interpreter must be chosen before triton is imported, so it cannot change after this import.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def repack_kmajor(
@@ -142,25 +144,17 @@ def _w4a16_gemv_kmajor_kernel(
     if not FUSED_SPLIT:
         store_rows(y_ptr + offs_n, stride_ym, p0, p1, p2, p3, n_ok, ROWS)
     else:  # layers/split_k.py
-        MN = ROWS * N
-        store_rows(part_ptr + pid_k * MN + offs_n, N, p0, p1, p2, p3, n_ok, ROWS)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:
-            t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
+        last, t0, t1, t2, t3 = reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS,
+                                          p0, p1, p2, p3, ROWS, BLOCK_N)
+        if last:
             store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
-            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kmajor_blocks(m: int, n: int, k: int) -> GemvBlocks:
     """The starting point a sweep refines: 4 rows per program at M = 1 (2 beyond), 4 warps along K
     (BLOCK_K 4096 = 1024 per warp), no split where N / BLOCK_N already gives ~8 programs per SM."""
     # Under the interpreter (CPU tests) every program is a Python loop: few, wide programs.
-    block_n = 64 if _interpreting() else 4 if m == 1 else 2
+    block_n = 64 if _INTERPRETING else 4 if m == 1 else 2
     warps = 4
     while warps > 1 and 1024 * warps > k:
         warps //= 2
@@ -236,7 +230,7 @@ def kmajor_dequantize(
     """W [N, K] in `dtype` from repack_kmajor's tensors (a per-call scratch from the caching allocator)."""
     n, k = qw_t.shape[0], qw_t.shape[1] * 8
     w = torch.empty(n, k, dtype=dtype, device=qw_t.device)
-    block_n, block_k = 64 if _interpreting() else 16, min(256, max(32, triton.next_power_of_2(k)))
+    block_n, block_k = 64 if _INTERPRETING else 16, min(256, max(32, triton.next_power_of_2(k)))
     _kmajor_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qw_t, s_t, z_t, w, n, k, qw_t.stride(0), s_t.stride(0), w.stride(0),
         GROUP_SIZE=layout.group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
-from pagedllm.layers.split_k import split_k, store_rows, sum_split_partials
+from pagedllm.layers.split_k import reduce_split, split_k, store_rows
 from pagedllm.plugins.quantization.w4a16_gemv import GemvBlocks, _as_biased_float
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 
@@ -275,14 +275,10 @@ def _w4a16_gemv_tiled_kernel(
     if not FUSED_SPLIT:
         store_rows(y_ptr + offs_n, stride_ym, a0, a1, a2, a3, n_ok, ROWS)
     else:  # NOTE 3
-        MN = ROWS * N
-        store_rows(part_ptr + pid_k * MN + offs_n, N, a0, a1, a2, a3, n_ok, ROWS)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLITS - 1:
-            t0, t1, t2, t3 = sum_split_partials(part_ptr, offs_n, n_ok, N, MN, SPLITS, ROWS, BLOCK_N)
+        last, t0, t1, t2, t3 = reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS,
+                                          a0, a1, a2, a3, ROWS, BLOCK_N)
+        if last:
             store_rows(y_ptr + offs_n, stride_ym, t0, t1, t2, t3, n_ok, ROWS)
-            tl.atomic_xchg(ticket_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 # One-warp programs: up to 32 resident per SM; about 12 per SM of 132 keeps every SM busy through the tail.
