@@ -32,7 +32,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -43,6 +42,9 @@ if "--dry-run" in sys.argv:  # before triton is imported anywhere
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import h200_check  # noqa: E402
 
 T0 = time.time()
 BUDGET_S = 140.0  # configs not started by then are skipped (the tables say how many)
@@ -251,21 +253,12 @@ def call(shape: Shape, case: dict[str, Any], config: Any) -> None:
 
 
 def time_ms(fn: Any, dry: bool, iters: int = 20, warmup: int = 3) -> float:
+    """h200_check.time_ms (median of CUDA-event pairs); a dry run times one call on the CPU."""
     if dry:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return float(h200_check.time_ms(fn, iters=iters, warmup=warmup))
 
 
 def _precompile(unified_grid: bool, indices: list[int]) -> None:
