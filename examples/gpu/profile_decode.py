@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=128, help="context of each decoding request (W2/W5: ~600)")
     ap.add_argument("--quantization", default=None,
                     help="dummy packed weights of a checkpoint format, as bench_suite.py's (gptq | awq | gguf-<type>)")
     args = ap.parse_args()
@@ -41,25 +42,29 @@ def main() -> int:
         "model": path, "dtype": "bfloat16", "device": "cuda", "attention": {"backend": "triton"},
         "loader": {"name": "dummy"}, "enforce_eager": args.eager,
         "quantization": {"method": None if qc else args.quantization},
-        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+        "scheduler": {"max_num_seqs": max(256, args.batch), "max_num_batched_tokens": 16384},
     })
     llm = LLM(config=cfg)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True, detokenize=False)
+    prefill_steps = -(-args.batch * args.prompt_len // 16384)
+    params = SamplingParams(max_tokens=args.steps + 8 + prefill_steps, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
 
     def add(tag: str) -> None:
         for i in range(args.batch):
-            engine.add_request(f"{tag}{i}", {"prompt_token_ids": torch.randint(100, 128000, (128,), generator=g).tolist()}, params)
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": torch.randint(100, 128000, (args.prompt_len,), generator=g).tolist()}, params)
 
     llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     add("w")
     while engine.has_unfinished_requests():
         engine.step()
 
-    sched, runner = engine.core.scheduler, engine.core.runner
+    sched = engine.core.scheduler
     timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "frontend": 0.0}
-    orig_schedule, orig_execute, orig_update = sched.schedule, runner.execute, sched.update_from_output
+    core = engine.core
+    exec_name = "_execute_pipelined" if core.async_scheduling else "_execute"  # the bound method the core calls
+    orig_schedule, orig_execute, orig_update = sched.schedule, getattr(core, exec_name), sched.update_from_output
 
     def timed(name: str, fn):  # type: ignore[no-untyped-def]
         def wrapper(*a, **k):  # type: ignore[no-untyped-def]
@@ -72,11 +77,10 @@ def main() -> int:
         return wrapper
 
     add("p")
-    engine.step()  # prefill
-    for _ in range(4):
+    for _ in range(prefill_steps + 4):  # the prefill chunks, then a few decodes
         engine.step()
     sched.schedule = timed("schedule", orig_schedule)
-    runner.execute = timed("execute", orig_execute)
+    setattr(core, exec_name, timed("execute", orig_execute))
     sched.update_from_output = timed("update", orig_update)
     t0 = time.perf_counter()
     n = args.steps // 2
@@ -85,7 +89,8 @@ def main() -> int:
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     timings["frontend"] = wall - timings["schedule"] - timings["execute"] - timings["update"]
-    sched.schedule, runner.execute, sched.update_from_output = orig_schedule, orig_execute, orig_update
+    sched.schedule, sched.update_from_output = orig_schedule, orig_update
+    setattr(core, exec_name, orig_execute)
     report = {"batch": args.batch, "eager": args.eager, "ms_per_step": round(1e3 * wall / n, 3),
               **{f"{k}_ms": round(1e3 * v / n, 3) for k, v in timings.items()}}
 

@@ -1,6 +1,6 @@
-"""Where W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
+"""Where W2 / W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
 
-    python examples/gpu/trace_steps.py [--workloads W4,W5] [--scale 1.0] [--max-num-seqs 512]
+    python examples/gpu/trace_steps.py [--workloads W2,W4,W5] [--scale 1.0] [--max-num-seqs 512]
 
 Per engine step it records the host clock at the step's start, the step's shape (tokens, requests, decodes),
 whether the forward replayed a CUDA graph, and two CUDA events around the runner's work (forward + sampler)
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_suite import w4_prompts, w5_prompts  # noqa: E402
+from bench_suite import make_prompts, w4_prompts, w5_prompts  # noqa: E402
 from h200_check import LLAMA_8B_CONFIG  # noqa: E402
 
 
@@ -90,8 +90,9 @@ def main() -> int:
             return out
 
         graphs.run = run
-    orig_exec = runner.execute_pipelined if core.async_scheduling else runner.execute
-    name = "execute_pipelined" if core.async_scheduling else "execute"
+    # The engine core holds the bound method it calls (engine_core NOTE: no extra hop): wrap that one.
+    name = "_execute_pipelined" if core.async_scheduling else "_execute"
+    orig_exec = getattr(core, name)
 
     def execute(so: Any) -> Any:
         if so.total_num_scheduled_tokens == 0:
@@ -103,7 +104,7 @@ def main() -> int:
         records.append(dict(current, start=start, end=end))
         return out
 
-    setattr(runner, name, execute)
+    setattr(core, name, execute)
 
     def summarize(label: str, recs: list[dict[str, Any]], wall: float) -> None:
         torch.cuda.synchronize()
@@ -137,6 +138,9 @@ def main() -> int:
         if wl == "W4":
             prompts = w4_prompts(max(1, int(1000 * args.scale)))
             outs = [128] * len(prompts)
+        elif wl == "W2":
+            prompts = [[int(x) for x in r] for r in make_prompts()["W2"][: max(1, int(500 * args.scale))]]
+            outs = [1024] * len(prompts)
         else:
             prompts, outs = w5_prompts(max(1, int(1000 * args.scale)))
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in outs]
