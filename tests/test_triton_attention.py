@@ -103,6 +103,11 @@ def test_cascade_prefix_detection() -> None:
     assert shared_prefix(short)[0] == 0  # under CASCADE_MIN_TOKENS
 
 
+def test_decode_wide_config(interp: dict[str, Any]) -> None:
+    """The decode entry measured fastest on the H200 (64-key tiles), run at its own tile size."""
+    assert interp["decode_wide"]["nan"] == 0 and interp["decode_wide"]["rel"] < 1e-5, interp["decode_wide"]
+
+
 def test_engine_greedy_tokens_match_torch(interp: dict[str, Any]) -> None:
     assert interp["engine"] == {"backends": ["torch", "triton"], "equal": True}
 
@@ -200,12 +205,13 @@ def test_split_policy() -> None:
 
 def test_config_rule() -> None:
     """Launch configurations by new tokens per request (triton_tuning's table)."""
-    from pagedllm.plugins.attention.triton_tuning import DECODE, MIXED, PREFILL, choose_config
+    from pagedllm.plugins.attention.triton_tuning import DECODE, DECODE_WIDE, MIXED, PREFILL, choose_config
 
     assert choose_config(8 * 2048, 8, 1) is PREFILL
     assert choose_config(391, 3, 1) is PREFILL  # the prefill_rule case above
     assert choose_config(4 * 2048 + 256, 4 + 256, 1) is MIXED  # prefills beside many decodes
-    assert choose_config(64, 64, 1) is DECODE and choose_config(3 * 64, 64, 1) is DECODE  # decode, spec k = 2
+    assert choose_config(64, 64, 1) is DECODE_WIDE and choose_config(3 * 64, 64, 1) is DECODE_WIDE  # spec k = 2
+    assert choose_config(64, 64, 4) is DECODE  # split-KV keeps the narrow tile
     assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 
 
@@ -306,6 +312,28 @@ def _engine_case() -> dict[str, Any]:
     return {"backends": sorted(tokens), "equal": tokens.get("torch") == tokens.get("triton")}
 
 
+def _decode_wide_case() -> dict[str, float]:
+    """triton_tuning.DECODE_WIDE (64-key tiles, 2 stages) on decodes whose contexts end inside, at and just
+    past a tile, page 16, GQA 4:1, float32 (the interpreter otherwise runs its own 16-key tile)."""
+    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton_tuning import DECODE_WIDE
+
+    gen = torch.Generator().manual_seed(3)
+    contexts, heads, kv_heads, head, page = [0, 14, 62, 63, 64, 129], 8, 2, 32, 16
+    n = len(contexts)
+    num_blocks = sum(-(-(c + 1) // page) for c in contexts) + 3
+    common, _ = _batch(contexts, [1] * n, page, num_blocks, gen)
+    cache = torch.randn(2, num_blocks, page, kv_heads, head, generator=gen)
+    q, k, v = (torch.randn(n, h, head, generator=gen) for h in (heads, kv_heads, kv_heads))
+    layer = AttentionLayerConfig(heads, head, kv_heads, head**-0.5, None, None)
+    ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, cache, TorchSDPABackend.build_metadata(common))
+    got = torch.empty_like(q)  # the cache already holds this step's keys (the torch backend wrote them)
+    unified_attention(q, cache, got, common.query_start_loc, common.seq_lens, common.block_table, n, n,
+                      head**-0.5, config=DECODE_WIDE)
+    return {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
+
+
 def _main() -> None:
     """Child process: run every case under the interpreter, print one JSON line."""
     assert os.environ.get("TRITON_INTERPRET") == "1" and "triton" not in sys.modules
@@ -319,6 +347,7 @@ def _main() -> None:
             "cache_equal": bool(torch.equal(cache, ref_cache)),
         }
     results["padding"] = _padding_case()
+    results["decode_wide"] = _decode_wide_case()
     results["cascade"] = _cascade_case()
     results["engine"] = _engine_case()
     print(json.dumps(results))

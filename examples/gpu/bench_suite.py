@@ -234,7 +234,7 @@ def main() -> int:
     ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of requests for W1/W2/W4/W5")
     ap.add_argument("--backend", default="triton")
-    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM 0.20.0's value on an H200 (the anchor)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--vllm", help="bench_vllm.py's JSON from the same hour, for the side-by-side table")
     ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")

@@ -1,6 +1,6 @@
 """Where W2 / W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
 
-    python examples/gpu/trace_steps.py [--workloads W2,W4,W5] [--scale 1.0] [--max-num-seqs 512]
+    python examples/gpu/trace_steps.py [--workloads W2,W4,W5] [--scale 1.0] [--max-num-seqs 1024]
 
 Per engine step it records the host clock at the step's start, the step's shape (tokens, requests, decodes),
 whether the forward replayed a CUDA graph, and two CUDA events around the runner's work (forward + sampler)
@@ -31,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W4,W5")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
     ap.add_argument("--no-cascade", action="store_true", help="report no shared prefix (cuda_graphs NOTE 4)")

@@ -6,8 +6,9 @@ neighbours on the H200, and a new default is a one-line edit here.
 Rule (`choose_config`), from host integers only (CUDA-graph safe: a captured decode or uniform-spec step has
 fixed counts): the average number of new tokens per request, T / B.
 
-    T / B <= 4 or split-KV   -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
+    split-KV                 -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
                                          (triton_backend NOTE 1) fills the GPU
+    T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages (NOTE 6)
     4 < T / B < 128          -> MIXED    64 rows: prefill chunks next to many decodes, whose one-token blocks
                                          would waste most of a taller tile
     T / B >= 128             -> PREFILL  128 rows (32 tokens x 4 heads at G = 4), 8 warps, deep pipeline
@@ -52,6 +53,14 @@ class AttentionConfig:
 
 
 DECODE = AttentionConfig(rows=16, tile_n=32, num_warps=4, num_stages=3)
+# NOTE 6 (measured, H200, examples/gpu/decode_sweep.py, 2026-11-30 03:10 UTC, bf16, 32/8 heads, head 128, graph
+# replays): with one segment per request, 64-key tiles double-buffered beat DECODE on every decode batch tried:
+#   64 x 2048 125.9 vs 141.9 us (4.26 vs 3.78 TB/s of K/V), W2's 500 x U[128, 1152] 319.7 vs 382.7 us (4.05 vs
+#   3.38), W5's 288 x U[100, 2048] 307.9 vs 375.4 (3.95 vs 3.24), 512 x U[100, 2048] 536.1 vs 631.0 (4.15 vs
+#   3.53); best of 96 configs (segments 1-8, tiles 16-64, 2-8 warps, 2-4 stages) in all four. Twice the keys per
+#   iteration halves the loop's fixed work (block-table lookups, the online-softmax rescale) per byte, and two
+#   stages leave room for three programs per SM. Split-KV steps (small batches, W3) keep DECODE: not swept there.
+DECODE_WIDE = AttentionConfig(rows=16, tile_n=64, num_warps=4, num_stages=2)
 # NOTE 4 (measured, H200, examples/gpu/prefill_sweep.py, 2026-11-29 22:07 UTC, bf16, 32/8 heads, head 128):
 #   8 x 2048 causal: rows 64 tile 64 4 warps 2 stages K-as-rows 332.7 TFLOP/s, best of 40 configs (the
 #   128-row, 5-stage entry predicted by NOTE 1: 320.0; the v1 default 320.9); 1 x 8192: the same entry 385.1,
@@ -102,8 +111,10 @@ FRESH_MIN_QUERY_LEN = 64
 
 def choose_config(num_tokens: int, num_seqs: int, num_segments: int) -> AttentionConfig:
     """The table entry for a batch of `num_tokens` new tokens over `num_seqs` requests (module docstring)."""
-    if num_segments > 1 or num_tokens <= num_seqs * MIXED_MIN_TOKENS_PER_REQ:
+    if num_segments > 1:
         return DECODE
+    if num_tokens <= num_seqs * MIXED_MIN_TOKENS_PER_REQ:
+        return DECODE_WIDE
     if num_tokens >= num_seqs * PREFILL_MIN_TOKENS_PER_REQ:
         return PREFILL
     return MIXED
