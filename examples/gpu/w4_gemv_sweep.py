@@ -53,7 +53,6 @@ GRID: dict[str, list[tuple[int, int, int]]] = {
     "tile_pf": [(128, 64, 1), (256, 64, 2)],  # (128, 128, 1) and (256, 64, 1) spill on sm_90
     "mant": [(256, 64, 1), (128, 128, 1), (128, 64, 1), (256, 128, 2)],
     "mant_pf": [(256, 64, 1), (128, 64, 1), (256, 64, 2)],
-    "mant_rows": [(256, 64, 1), (256, 128, 1), (128, 128, 1), (128, 64, 1)],  # NOTE 7: ~70 registers
     # w4a16_gemv_kmajor.py: weights repacked K-major, whole rows per program (BLOCK_N rows, 1024 x warps inputs)
     "kmajor": [(4, 4096, 4), (8, 4096, 4), (2, 4096, 4), (4, 2048, 2), (8, 2048, 2), (16, 4096, 4)],
 }

@@ -41,7 +41,6 @@ NOTE 5: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -54,7 +53,7 @@ GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this ma
 # The kernel decode takes: "base" (this file's) or one of w4a16_gemv_tiled.TILED_VARIANTS ("tile", "tile_pf",
 # "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
 # examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
-GEMV_VARIANT = os.environ.get("PAGEDLLM_W4A16_GEMV", "mant")  # A/B runs on the GPU: any TILED_VARIANTS name
+GEMV_VARIANT = "mant"
 
 
 class GemvBlocks(NamedTuple):

@@ -49,12 +49,6 @@ tensor of inputs cost three 64-bit address instructions per load).
 NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
 next kernel start, prefetches its first step's words, scales and zeros into L2, and only then waits for the
 kernel before it (whose output is x); every load of x and every store comes after the wait.
-NOTE 7 (mant_rows, M = 1). ncu on the H200 (2026-11-30) put the mant GEMV at 48 % of DRAM bandwidth with 128
-registers a thread: 16 one-warp programs per SM (25 % occupancy), 1.7 waves on gate_up, no eligible warp 40 %
-of cycles. Most of those registers are the [R, BLOCK_N] partial sums (64 at R = 8 and 8 columns a thread),
-kept so each code costs one FFMA. mant_rows loads the step's word rows one [BLOCK_N] vector at a time and
-folds each into a single [BLOCK_N] sum (8 independent FFMA chains a thread: enough to cover the FMA latency),
-with x as uniform scalar loads: the same instructions per code, ~56 fewer registers.
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
 TILED_MAX_M = 4
 # name -> (PREFETCH, MANT)
 TILED_VARIANTS = {"tile": (False, False), "tile_pf": (True, False), "mant": (False, True),
-                  "mant_pf": (True, True), "mant_rows": (False, True)}
-ROWWISE_VARIANTS = {"mant_rows"}  # NOTE 7: one word row at a time into [BLOCK_N] sums (M = 1 only)
+                  "mant_pf": (True, True)}
 
 
 @triton.jit
@@ -179,38 +172,6 @@ def _step_mant(a0, a1, a2, a3, words, z, s, x_step, stride_xm, xo, lo_mask, hi_m
 
 
 @triton.jit
-def _step_rows(acc, qw_ptr, qz_ptr, s_ptr, x_ptr, k0, offs_n, n_ok, z_word, z_shift, stride_qw, stride_qz,
-               stride_s, lo_mask, hi_mask, one_lo, one_hi, GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr,
-               BLOCK_K: tl.constexpr, X_BF16: tl.constexpr):
-    """One step of NOTE 7: each word row loaded as a [BLOCK_N] vector and folded into one [BLOCK_N] sum."""
-    g = k0 // GROUP_SIZE
-    zw = tl.load(qz_ptr + g * stride_qz + z_word, mask=n_ok, other=0)
-    s = tl.load(s_ptr + g * stride_s + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    z = _as_biased_float(((zw >> z_shift) & 0xF) + ZERO_OFFSET) - 8388608.0
-    x_step = x_ptr + k0
-    p = tl.zeros(offs_n.shape, dtype=tl.float32)
-    for r in tl.static_range(BLOCK_K // 8):
-        w = tl.load(qw_ptr + (k0 // 8 + r) * stride_qw + offs_n, mask=n_ok, other=0, eviction_policy="evict_first")
-        for pair in tl.static_range(4):  # as _step_mant: codes 2 pair, 2 pair + 1 to bits 15 and 19
-            if pair < 2:  # noqa: SIM108 (a constexpr branch: only one shift is emitted)
-                ws = w << (15 - 8 * pair)
-            else:
-                ws = w >> (8 * pair - 15)
-            vl = ((ws & lo_mask) | one_lo).to(tl.float32, bitcast=True)
-            vh = ((ws & hi_mask) | one_hi).to(tl.float32, bitcast=True)
-            if X_BF16:  # one 32-bit load, the same address in every lane (NOTE 5)
-                xw = tl.load(x_step.to(tl.pointer_type(tl.int32)) + (r * 4 + pair))
-                x0 = (xw << 16).to(tl.float32, bitcast=True)
-                x1 = (xw & -65536).to(tl.float32, bitcast=True)
-            else:
-                x0 = tl.load(x_step + (r * 8 + 2 * pair)).to(tl.float32)
-                x1 = tl.load(x_step + (r * 8 + 2 * pair + 1)).to(tl.float32)
-            p = p + x0 * vl + x1 * vh
-    x_even, x_odd = _x_sums(x_step, 0, 0, BLOCK_K, X_BF16)
-    return acc + (256.0 * (p - (x_even + x_odd * 0.0625)) - z * (x_even + x_odd)) * s
-
-
-@triton.jit
 def _load_step(qw_ptr, qz_ptr, s_ptr, k0, k_end, offs_n, n_ok, r_idx, z_word, z_shift, stride_qw, stride_qz,
                stride_s, GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The step at k0's words [R, BLOCK_N], raw zero words and scales; nothing (masked) when k0 >= k_end."""
@@ -274,7 +235,6 @@ def _w4a16_gemv_tiled_kernel(
     MANT: tl.constexpr,
     X_BF16: tl.constexpr,
     PDL: tl.constexpr,
-    ROWWISE: tl.constexpr = False,
 ):
     PF: tl.constexpr = 32 // BITS
     R: tl.constexpr = BLOCK_K // PF
@@ -305,11 +265,6 @@ def _w4a16_gemv_tiled_kernel(
                                    lo_mask, hi_mask, one_lo, one_hi, BITS, ZERO_OFFSET, ROWS, BLOCK_K,
                                    MANT, X_BF16)
             words, zc, s = words_n, zc_n, s_n
-    elif ROWWISE:  # NOTE 7 (M = 1, 4-bit)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            a0 = _step_rows(a0, qw_ptr, qz_ptr, s_ptr, x_ptr, k0, offs_n, n_ok, z_word, z_shift, stride_qw,
-                            stride_qz, stride_s, lo_mask, hi_mask, one_lo, one_hi, GROUP_SIZE, ZERO_OFFSET,
-                            BLOCK_K, X_BF16)
     else:
         for k0 in range(k_begin, k_end, BLOCK_K):
             words, zc, s = _load_step(qw_ptr, qz_ptr, s_ptr, k0, k_end, offs_n, n_ok, r_idx, z_word, z_shift,
@@ -330,7 +285,7 @@ def _w4a16_gemv_tiled_kernel(
 _TARGET_PROGRAMS = 1584
 # M = 1 starting points (BLOCK_N, BLOCK_K), one warp: the sm_90 compile's best registers x instructions per code
 # (docs/perf-notes.md §5c): 8 columns per thread halve the activation loads per code.
-_M1_TILES = {"tile": (256, 64), "tile_pf": (128, 64), "mant": (256, 64), "mant_pf": (256, 64), "mant_rows": (256, 64)}
+_M1_TILES = {"tile": (256, 64), "tile_pf": (128, 64), "mant": (256, 64), "mant_pf": (256, 64)}
 # (variant, M, N, K) -> blocks: the H200 sweep's best per Llama-3.1-8B shape (`python examples/gpu/w4_gemv_sweep.py`,
 # docs/benchmarks.md; split is the requested split-K). M = 1: 2026-11-30 00:20 UTC with the chunked split-K sum
 # and PDL (53.9 us per layer); M = 2, 4: 2026-11-29 19:26 UTC. Other shapes use tiled_blocks' rule.
@@ -364,8 +319,6 @@ def tiled_reason(variant: str, layout: PackedLayout, m: int) -> str | None:
         return f"unknown variant {variant!r} (one of {sorted(TILED_VARIANTS)})"
     if m > TILED_MAX_M:
         return f"{m} rows > {TILED_MAX_M}"
-    if variant in ROWWISE_VARIANTS and m != 1:
-        return f"{variant} sums one row of x (NOTE 7); {m} rows"
     if TILED_VARIANTS[variant][1] and layout.bits != 4:
         return f"{variant} places 4-bit codes in the mantissa (NOTE 2); {layout.bits}-bit weights"
     return None
@@ -412,7 +365,6 @@ def w4a16_gemv_tiled(
         MANT=mant,
         X_BF16=flat.dtype == torch.bfloat16 and flat.stride(0) % 2 == 0 and flat.data_ptr() % 4 == 0,
         PDL=pdl,
-        ROWWISE=variant in ROWWISE_VARIANTS,
         num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
