@@ -304,8 +304,7 @@ def graph_replay_check(model: Any) -> dict[str, Any] | None:
     layer = next((m for name, m in model.named_modules() if name.endswith("layers.0.mlp.gate_up_proj")), None)
     if layer is None or "w4a16_layout" not in layer.__dict__:
         return None
-    qw_t = getattr(layer, "w4a16_qw_t", None)  # PAGEDLLM_W4A16_KMAJOR=1: the K-major words [N, K / 8]
-    k = qw_t.shape[1] * 8 if qw_t is not None else layer.qweight.shape[0] * layer.__dict__["w4a16_layout"].pack_factor
+    k = layer.qweight.shape[0] * layer.__dict__["w4a16_layout"].pack_factor
     out: dict[str, Any] = {}
     for m in (1, 16, 128):
         try:

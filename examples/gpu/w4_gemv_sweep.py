@@ -5,9 +5,9 @@
 
 Variants: "base" (plugins/quantization/w4a16_gemv.py, split-K summed by a second kernel), the
 TILED_VARIANTS of w4a16_gemv_tiled.py (tile, tile_pf, mant, mant_pf: word tiles in flight, split-K summed in
-the kernel) and "kmajor" (w4a16_gemv_kmajor.py: the weights repacked K-major, whole rows per program; not yet
-routed by the engine -- `--variants kmajor,mant` compares it with the default). Shapes qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, GPTQ v1 packing, group
-128, random codes, bf16 activations and scales.
+the kernel). Shapes qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, GPTQ v1 packing, group
+128, random codes, bf16 activations and scales. (A K-major repacking and a row-wise variant were measured
+slower and removed: docs/perf-notes.md §14.)
 
   1. M = 1: every variant x its (BLOCK_N, BLOCK_K, warps) grid x SPLIT_K for ~8 / 4 / 16 programs per SM (--per-sm), per
      shape; the variants' defaults first, so a run cut short by the time budget still covers them all
@@ -53,8 +53,6 @@ GRID: dict[str, list[tuple[int, int, int]]] = {
     "tile_pf": [(128, 64, 1), (256, 64, 2)],  # (128, 128, 1) and (256, 64, 1) spill on sm_90
     "mant": [(256, 64, 1), (128, 128, 1), (128, 64, 1), (256, 128, 2)],
     "mant_pf": [(256, 64, 1), (128, 64, 1), (256, 64, 2)],
-    # w4a16_gemv_kmajor.py: weights repacked K-major, whole rows per program (BLOCK_N rows, 1024 x warps inputs)
-    "kmajor": [(4, 4096, 4), (8, 4096, 4), (2, 4096, 4), (4, 2048, 2), (8, 2048, 2), (16, 4096, 4)],
 }
 PROGRAMS_PER_SM = (8, 4, 16)
 
@@ -76,16 +74,7 @@ def make_weights(n: int, k: int, device: str, dtype: torch.dtype, copies: int) -
     sets = [(qweight, qzeros, s)] + [(qweight.clone(), qzeros.clone(), s.clone()) for _ in range(copies - 1)]
     nbytes = qweight.nbytes + qzeros.nbytes + s.nbytes
     layout = PackedLayout("gptq", 4, GROUP, zero_offset=1)
-    return dict(layout=layout, sets=sets, w_t=w_t, bytes=nbytes, n=n, kmajor=None)
-
-
-def kmajor_sets(w: dict[str, Any]) -> list[tuple[torch.Tensor, ...]]:
-    """The weight copies repacked K-major (w4a16_gemv_kmajor.repack_kmajor), made on first use."""
-    from pagedllm.plugins.quantization.w4a16_gemv_kmajor import repack_kmajor
-
-    if w["kmajor"] is None:
-        w["kmajor"] = [repack_kmajor(w["layout"], *st) for st in w["sets"]]
-    return list(w["kmajor"])
+    return dict(layout=layout, sets=sets, w_t=w_t, bytes=nbytes, n=n)
 
 
 class Timer:
@@ -127,10 +116,6 @@ class Timer:
 def w4_fns(w: dict[str, Any], x: torch.Tensor, variant: str, blocks: tuple[int, int, int, int] | None
            ) -> list[Callable[[], torch.Tensor]]:
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_gemv_kmajor import w4a16_gemv_kmajor
-
-    if variant == "kmajor":
-        return [functools.partial(w4a16_gemv_kmajor, x, w["layout"], *st, blocks=blocks) for st in kmajor_sets(w)]
 
     def call(qw: torch.Tensor, qz: torch.Tensor, s: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: w4a16_gemv(x, w["layout"], qw, qz, s, w["n"], blocks=blocks, variant=variant)
@@ -148,10 +133,6 @@ def point(ctx: dict[str, Any], w: dict[str, Any], x: torch.Tensor, ref: torch.Te
     from pagedllm.plugins.quantization.w4a16_gemv_tiled import tiled_blocks, tiled_reason
 
     m, k = x.shape
-    if blocks is None and variant == "kmajor":
-        from pagedllm.plugins.quantization.w4a16_gemv_kmajor import kmajor_blocks
-
-        blocks = tuple(kmajor_blocks(m, w["n"], k))  # type: ignore[assignment]
     if blocks is None:
         tiled = variant != "base" and tiled_reason(variant, w["layout"], m) is None
         blocks = tuple(tiled_blocks(variant, w["layout"], m, w["n"], k) if tiled  # type: ignore[assignment]
@@ -179,9 +160,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = ("cpu", torch.float16) if dry else ("cuda", torch.bfloat16)
     shapes = SHAPES_TINY if dry else SHAPES_8B
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - {"base", "kmajor", *TILED_VARIANTS})
+    unknown = sorted(set(variants) - {"base", *TILED_VARIANTS})
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown} (base, kmajor, {', '.join(TILED_VARIANTS)})")
+        raise SystemExit(f"--variants: unknown {unknown} (base, {', '.join(TILED_VARIANTS)})")
     grid = {v: GRID[v][:1] for v in variants} if dry else GRID
     per_sm = [int(p) for p in args.per_sm.split(",")]
     per_sm = per_sm[:1] if dry else per_sm

@@ -9,12 +9,10 @@ loader place fused pieces and tensor-parallel shards without knowing the format.
                     (w4a16_kernel.py) up to 127 rows; from 128 rows the weight is dequantized into a per-call
                     16-bit scratch and cuBLAS multiplies (w4a16_dequant.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
-    experimental    PAGEDLLM_W4A16_KMAJOR=1: GPTQ 4-bit repacked K-major after loading (w4a16_gemv_kmajor.py)
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, cast
 
 import torch
@@ -152,28 +150,6 @@ class PackedIntLinearMethod:
                 act_order = None
         layer.__dict__["w4a16_g_idx"] = act_order
         layer.register_buffer("w4a16_perm", perm)
-        self._maybe_kmajor(layer, act_order)
-
-    def _maybe_kmajor(self, layer: nn.Module, act_order: torch.Tensor | None) -> None:
-        """PAGEDLLM_W4A16_KMAJOR=1 (experimental, w4a16_gemv_kmajor.py): GPTQ 4-bit weights repacked K-major on
-        CUDA (or under the Triton interpreter, for the tests); the checkpoint-layout tensors are freed."""
-        if os.environ.get("PAGEDLLM_W4A16_KMAJOR", "0") != "1" or act_order is not None:
-            return
-        qweight = cast(torch.Tensor, layer.qweight)
-        lay: PackedLayout = layer.__dict__["w4a16_layout"]
-        if lay.kind != "gptq" or lay.bits != 4 or lay.group_size % 32:
-            return
-        if not qweight.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            return
-        from pagedllm.plugins.quantization.w4a16_gemv_kmajor import repack_kmajor
-
-        qzeros, scales = cast(torch.Tensor, layer.qzeros), cast(torch.Tensor, layer.scales)
-        qw_t, s_t, z_t = repack_kmajor(lay, qweight.data, qzeros.data, scales.data)
-        for name, tensor in (("w4a16_qw_t", qw_t), ("w4a16_s_t", s_t), ("w4a16_z_t", z_t)):
-            layer.register_buffer(name, tensor)
-        for param in (qweight, qzeros, scales):  # the GPTQ-layout copies are not read again
-            param.data = param.data.new_empty(0)
-        layer.__dict__["w4a16_kmajor"] = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lay: PackedLayout = layer.__dict__["w4a16_layout"]
@@ -181,11 +157,6 @@ class PackedIntLinearMethod:
         perm = cast(torch.Tensor | None, layer.w4a16_perm)
         if perm is not None:
             x = x.index_select(-1, perm)
-        if layer.__dict__.get("w4a16_kmajor"):
-            from pagedllm.plugins.quantization.w4a16_gemv_kmajor import kmajor_matmul
-
-            y = kmajor_matmul(x, lay, *(cast(torch.Tensor, getattr(layer, f"w4a16_{n}_t")) for n in ("qw", "s", "z")))
-            return y + bias if bias is not None else y
         qweight, qzeros, scales = (cast(torch.Tensor, getattr(layer, n)) for n in ("qweight", "qzeros", "scales"))
         if x.is_cuda:
             from pagedllm.plugins.quantization.w4a16_kernel import w4a16_matmul
