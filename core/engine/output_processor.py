@@ -86,35 +86,46 @@ class OutputProcessor:
         now = time.monotonic()
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
+        core_to_request, requests = self._core_to_request, self.requests
+        final_only = RequestOutputKind.FINAL_ONLY
         for out in outputs:
-            rid = self._core_to_request.get(out.request_id)
+            rid = core_to_request.get(out.request_id)
             if rid is None:
                 continue
-            state = self.requests[rid]
+            state = requests[rid]
             sample = state.samples[out.request_id]
             if sample.finish_reason is not None:
                 continue
             if out.error:
                 state.error = out.error
-            if out.new_token_ids:
+            new_token_ids = out.new_token_ids
+            if new_token_ids:
                 m = state.metrics
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now
                 # One stamp per token: a speculative step delivers several at once (gaps of 0 between them),
                 # so (last - first) / (n - 1) stays the mean time per token.
-                m.token_times.extend([now] * len(out.new_token_ids))
-                state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            sample.token_ids.extend(out.new_token_ids)
-            self._add_logprobs(sample, out.new_logprobs)
-            stop_str = sample.detokenizer.update(out.new_token_ids)
+                if len(new_token_ids) == 1:
+                    m.token_times.append(now)
+                else:
+                    m.token_times.extend([now] * len(new_token_ids))
+                if out.num_cached_tokens > state.num_cached_tokens:
+                    state.num_cached_tokens = out.num_cached_tokens
+            sample.token_ids.extend(new_token_ids)
+            if sample.logprobs is not None:
+                self._add_logprobs(sample, out.new_logprobs)
+            stop_str = sample.detokenizer.update(new_token_ids)
             if stop_str is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
-                if not out.finished:
+                if out.finish_reason is None:
                     to_abort.append(out.request_id)
-            elif out.finished:
+            elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            changed[rid] = state
+            # A FINAL_ONLY request reports nothing until it finishes, and it can only finish in a step that
+            # finished one of its samples: skip the others here (most of a batch, most steps).
+            if sample.finish_reason is not None or state.output_kind != final_only:
+                changed[rid] = state
         results = []
         for rid, state in changed.items():
             if state.finished:

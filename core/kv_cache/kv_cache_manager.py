@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.coordinator import KVCacheCoordinator, ManagerFactory
 from pagedllm.kv_cache.hashing import update_block_hashes
+from pagedllm.kv_cache.single_type_manager import SingleTypeKVCacheManagerBase
 
 if TYPE_CHECKING:
     from pagedllm.kv_cache.spec import KVCacheSpec
@@ -115,6 +116,9 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # The one group's manager when there is one group (the decode fast path needs no coordination).
         self._single = self.coordinator.managers[0] if self.coordinator.num_groups == 1 else None
+        self._single_base = (
+            self._single if isinstance(self._single, SingleTypeKVCacheManagerBase) else None
+        )
 
     @property
     def num_groups(self) -> int:
@@ -214,26 +218,47 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def _grow_within_held(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
-        """The decode fast path: a running request whose held blocks already cover the new tokens.
+        """The decode fast path: a running request (one KV-cache group, no prefix hits) that grows.
 
-        The same steps as the general path, minus the ones that are no-ops here (no hits to touch, nothing
-        to allocate), for one group: a decode step mostly lands here (15 of 16 steps at block size 16), and
-        the general path's layers cost ~25 µs per request per step in Python. None means "take the
-        general path".
+        The same steps as the general path, minus the ones that are no-ops here (no hits to touch or save,
+        no admission stats): when its held blocks already cover the new tokens (15 of 16 decode steps at
+        block size 16) nothing is allocated at all; otherwise its manager allocates directly. The general
+        path's layers cost ~25 µs per request per step in Python. None means "take the general path" (it
+        then finds the same answer, including "out of blocks").
         """
-        if not request.num_computed_tokens:
+        num_computed = request.num_computed_tokens
+        if not num_computed:
             return None  # admission: the general path counts the prefix-cache lookup
         manager = self._single
         assert manager is not None
         rid = request.request_id
-        need = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
-        manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-        if need > len(manager.get_blocks(rid)) * self.block_size:
+        need = num_computed + num_new_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        manager.remove_skipped_blocks(rid, num_computed)
+        block_size = self.block_size
+        base = self._single_base  # the same manager when it keeps the base class's tables (read directly)
+        blocks = base.req_to_blocks.get(rid) if base else manager.get_blocks(rid)
+        if not blocks:
             return None
+        new_blocks: list[KVCacheBlock] = []
+        if need > len(blocks) * block_size:
+            # A block fills (1 decode step in block_size): with one group and no hits, the general path's
+            # allocation is just these two calls of the group's manager.
+            if manager.get_num_blocks_to_allocate(rid, need, []) > self.block_pool.get_num_free_blocks():
+                return None
+            new_blocks = manager.allocate_new_blocks(rid, need)
         if self.enable_caching:
-            update_block_hashes(request, self.block_size)
-            manager.cache_blocks(rid, request.block_hashes, min(need, len(request.block_hashes) * self.block_size))
-        return _NO_NEW_BLOCKS
+            hashes = request.block_hashes
+            # update_block_hashes' own early exit, without its call: most decode steps fill no block.
+            if (len(request.prompt_token_ids) + len(request.output_token_ids)) // block_size > len(hashes):
+                update_block_hashes(request, block_size)
+            num_hashed_tokens = len(hashes) * block_size
+            num_cacheable = need if need < num_hashed_tokens else num_hashed_tokens
+            # cache_blocks' own early exit (no block newly full and hashed), without its call.
+            if base is None or num_cacheable // block_size > base.num_cached_block.get(rid, 0):
+                manager.cache_blocks(rid, hashes, num_cacheable)
+        return KVCacheBlocks((new_blocks,)) if new_blocks else _NO_NEW_BLOCKS
 
     def free(self, request: Request) -> None:
         """Give back every block of the request (finished, aborted or preempted); its tail blocks are evicted first."""
@@ -246,6 +271,30 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table per group (empty lists if it holds no blocks)."""
         return [[block.block_id for block in group] for group in self.coordinator.get_blocks(request_id)]
+
+    def take_new_block_ids(self, request_id: str, num_sent: list[int]) -> list[list[int]]:
+        """The ids of the request's blocks past the first `num_sent[g]` of each group, and `num_sent` moved
+        to the current lengths (in place).
+
+        Block lists only grow while a request holds them (single_type_manager.py), so a caller that keeps
+        one count per group learns each block once: a decode step that filled no block costs a length
+        compare instead of a copy of the whole table (the scheduler sends the runner only appended ids).
+        """
+        single = self._single
+        if single is not None:
+            base = self._single_base
+            blocks = base.req_to_blocks.get(request_id, []) if base else single.get_blocks(request_id)
+            start = num_sent[0]
+            if len(blocks) == start:
+                return [[]]
+            num_sent[0] = len(blocks)
+            return [[block.block_id for block in blocks[start:]]]
+        out = []
+        for g, group in enumerate(self.coordinator.get_blocks(request_id)):
+            start = num_sent[g]
+            out.append([block.block_id for block in group[start:]])
+            num_sent[g] = len(group)
+        return out
 
     @property
     def usage(self) -> float:

@@ -6,7 +6,8 @@ of plain requests pays for nothing but a softmax and a draw.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -61,6 +62,14 @@ class SamplingMetadata:
     # The rows' params and token lists (references, no copies) for logits processors.
     logits_batch: LogitsBatch | None = None
 
+    # What the per-row params tensors were built from (held, so the identities stay unique): `build(reuse=)`
+    # keeps them when the next step samples the same requests in the same order.
+    source_params: list[SamplingParams] = field(default_factory=list, repr=False, compare=False)
+    source_generators: list[torch.Generator | None] = field(default_factory=list, repr=False, compare=False)
+    source_device: torch.device | None = field(default=None, repr=False, compare=False)
+    # Rows with min_tokens > 0 (the only ones the per-step min_tokens mask can hold).
+    min_tokens_rows: list[int] = field(default_factory=list, repr=False, compare=False)
+
     @property
     def batch_size(self) -> int:
         """Number of rows (requests) in this step."""
@@ -75,6 +84,7 @@ class SamplingMetadata:
         output_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        reuse: SamplingMetadata | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's per-request params into tensors on `device`.
 
@@ -84,9 +94,22 @@ class SamplingMetadata:
         :param prompt_token_ids: the prompt of each row (only read for rows with a repetition penalty).
         :param output_token_ids: tokens generated so far for each row (penalties and min_tokens).
         :param vocab_size: the width of the logits (ids >= it are ignored).
+        :param reuse: the previous step's metadata: when it was built from the very same params and generator
+            objects in the same order (a steady decode batch), its per-row params tensors are reused and only
+            what depends on the tokens (penalty ids, the min_tokens mask) is rebuilt. Rebuilding them costs
+            ~10 passes over the batch in Python per step (~1 ms at 500 rows).
         """
         n = len(params)
         assert len(generators) == n and len(prompt_token_ids) == n and len(output_token_ids) == n
+        if (
+            reuse is not None
+            and len(reuse.source_params) == n
+            and reuse.vocab_size == vocab_size
+            and reuse.source_device == device
+            and all(map(operator.is_, reuse.source_params, params))
+            and all(map(operator.is_, reuse.source_generators, generators))
+        ):
+            return reuse._with_tokens(prompt_token_ids, output_token_ids, device)
 
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
@@ -107,16 +130,51 @@ class SamplingMetadata:
         no_top_p = not uses([p.top_p < 1.0 for p in params])
         no_min_p = not uses([p.min_p > 0.0 for p in params])
 
-        has_penalty = [
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        ]
-        no_penalties = not any(has_penalty)
-        presence = frequency = repetition = prompt_ids = output_ids = None
+        no_penalties = not any(_has_penalty(p) for p in params)
+        presence = frequency = repetition = None
         if not no_penalties:
             presence = f32([p.presence_penalty for p in params])
             frequency = f32([p.frequency_penalty for p in params])
             repetition = f32([p.repetition_penalty for p in params])
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        static = cls(
+            temperature=temperature,
+            greedy_mask=greedy_mask,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=None if no_top_k else to_device(ks, torch.int64, device),
+            top_p=None if no_top_p else f32([p.top_p for p in params]),
+            min_p=None if no_min_p else f32([p.min_p for p in params]),
+            no_top_k=no_top_k,
+            no_top_p=no_top_p,
+            no_min_p=no_min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            prompt_token_ids=None,
+            output_token_ids=None,
+            no_penalties=no_penalties,
+            # Greedy rows draw nothing, so their generators are left untouched.
+            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            max_num_logprobs=max(wanted) if wanted else None,
+            min_tokens_mask=None,
+            vocab_size=vocab_size,
+            source_params=list(params),
+            source_generators=list(generators),
+            source_device=device,
+            min_tokens_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
+        )
+        return static._with_tokens(prompt_token_ids, output_token_ids, device)
+
+    def _with_tokens(
+        self, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]], device: torch.device
+    ) -> SamplingMetadata:
+        """This metadata's params tensors with the parts that depend on the rows' tokens built for this step."""
+        params, vocab_size = self.source_params, self.vocab_size
+        prompt_ids = output_ids = None
+        if not self.no_penalties:
+            has_penalty = [_has_penalty(p) for p in params]
             # NOTE(2): the prompt matters only to the repetition penalty; rows without one send no ids.
             prompt_ids = _pad(
                 [
@@ -134,8 +192,9 @@ class SamplingMetadata:
 
         rows: list[int] = []
         cols: list[int] = []
-        for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-            if len(out) < p.min_tokens:
+        for i in self.min_tokens_rows:
+            p = params[i]
+            if len(output_token_ids[i]) < p.min_tokens:
                 stops = sorted(t for t in p.all_stop_token_ids if 0 <= t < vocab_size)
                 rows.extend([i] * len(stops))
                 cols.extend(stops)
@@ -145,32 +204,17 @@ class SamplingMetadata:
                 to_device(rows, torch.int64, device),
                 to_device(cols, torch.int64, device),
             )
-
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=temperature,
-            greedy_mask=greedy_mask,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            top_k=None if no_top_k else to_device(ks, torch.int64, device),
-            top_p=None if no_top_p else f32([p.top_p for p in params]),
-            min_p=None if no_min_p else f32([p.min_p for p in params]),
-            no_top_k=no_top_k,
-            no_top_p=no_top_p,
-            no_min_p=no_min_p,
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
+        return replace(
+            self,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            no_penalties=no_penalties,
-            # Greedy rows draw nothing, so their generators are left untouched.
-            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
-            max_num_logprobs=max(wanted) if wanted else None,
             min_tokens_mask=min_tokens_mask,
-            vocab_size=vocab_size,
             logits_batch=LogitsBatch(list(params), output_token_ids, prompt_token_ids),
         )
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:

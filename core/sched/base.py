@@ -57,8 +57,11 @@ class SchedulerBase:
         self._preempted_ids: set[str] = set()
         # Requests the runner already holds state for (so they are sent as "cached", not "new").
         self._in_runner: set[str] = set()
-        # Block ids already told to the runner, per request, so only appended ones are sent each step.
-        self._sent_blocks: dict[str, list[list[int]]] = {}
+        # How many block ids per KV-cache group the runner already holds, per request: only appended ones are
+        # sent each step (block lists only grow while a request holds them; counts, not copies, so a decode
+        # step costs no O(blocks) work).
+        self._sent_blocks: dict[str, list[int]] = {}
+        self._num_groups: int = self.kv.num_groups
         self._stats = SchedulerStats()
 
     # -- requests in and out -------------------------------------------------------------------------------
@@ -111,10 +114,12 @@ class SchedulerBase:
         pending = request.num_output_placeholders
         if not pending:
             return False
+        # Lengths read directly: called for every running request at every step (async scheduling).
+        num_outputs = len(request.output_token_ids) + pending
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
+        if max_tokens is not None and num_outputs >= max_tokens:
             return True
-        return request.num_tokens + pending >= self.max_model_len
+        return len(request.prompt_token_ids) + num_outputs >= self.max_model_len
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch (first in line)."""
@@ -138,36 +143,41 @@ class SchedulerBase:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
+        requests, in_runner, sent_blocks = self.requests, self._in_runner, self._sent_blocks
+        take_new_block_ids = self.kv.take_new_block_ids
         for rid, n in num_scheduled.items():
-            req = self.requests[rid]
+            req = requests[rid]
+            # Known tokens plus those in flight (num_tokens + placeholders), read without the properties:
+            # this loop runs once per scheduled request per step.
+            num_known = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_output_placeholders
             # Tokens scheduled past the known ones are drafts (a policy that counts num_tokens_with_spec);
             # drafts the budget left out are dropped: a proposal is only good for the step after it.
-            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens - req.num_output_placeholders)
-            assert num_spec <= len(req.spec_token_ids), f"{rid}: {n} tokens scheduled beyond its drafts"
-            del req.spec_token_ids[num_spec:]
-            if num_spec:
+            num_spec = req.num_computed_tokens + n - num_known
+            if num_spec > 0:
+                assert num_spec <= len(req.spec_token_ids), f"{rid}: {n} tokens scheduled beyond its drafts"
+                del req.spec_token_ids[num_spec:]
                 spec_tokens[rid] = list(req.spec_token_ids)
-            block_ids = self.kv.get_block_ids(rid)
-            if rid in self._in_runner:
-                sent = self._sent_blocks[rid]
+            elif req.spec_token_ids:
+                req.spec_token_ids.clear()
+            if rid in in_runner:
                 cached.append(
-                    CachedRequestData(rid, [ids[len(s):] for ids, s in zip(block_ids, sent)], req.num_computed_tokens)
+                    CachedRequestData(rid, take_new_block_ids(rid, sent_blocks[rid]), req.num_computed_tokens)
                 )
             else:
+                sent = sent_blocks[rid] = [0] * self._num_groups
                 new_reqs.append(
                     NewRequestData(
                         rid,
                         req.prompt_token_ids,
                         list(req.output_token_ids),
                         req.sampling_params,
-                        [list(ids) for ids in block_ids],
+                        take_new_block_ids(rid, sent),
                         req.num_computed_tokens,
                     )
                 )
-                self._in_runner.add(rid)
-            self._sent_blocks[rid] = [list(ids) for ids in block_ids]
+                in_runner.add(rid)
             req.num_computed_tokens += n
-            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            if req.num_computed_tokens >= num_known:
                 # This step samples the request's next token: until update_from_output brings it, it is a
                 # placeholder (with synchronous steps the update comes before any other schedule()).
                 req.num_output_placeholders += 1
@@ -192,43 +202,66 @@ class SchedulerBase:
         outputs: list[EngineCoreOutput] = []
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         proposals = runner_output.spec_token_ids
-        for i, rid in enumerate(runner_output.req_ids):
-            req = self.requests.get(rid)
-            sampled = runner_output.sampled_token_ids[i]
-            if req is None or req.is_finished() or not sampled:
-                continue  # aborted during the step, or a prefill chunk that is not the last
-            req.num_output_placeholders = max(0, req.num_output_placeholders - 1)
+        requests, all_sampled, all_logprobs = self.requests, runner_output.sampled_token_ids, runner_output.logprobs
+        max_model_len = self.max_model_len
+        preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
+        finished_running: list[Request] = []
+        for i, (rid, sampled, lp) in enumerate(zip(runner_output.req_ids, all_sampled, all_logprobs, strict=True)):
+            req = requests.get(rid)
+            if req is None or not sampled or req.status > preempted:
+                continue  # aborted during the step (finished), or a prefill chunk that is not the last
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             # Async scheduling: a request may have been preempted by a schedule() that ran while this step was
             # in flight. Its token is right (its KV was intact when it was computed): keep it; the recompute
             # includes it.
-            queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
-            num_drafts = len(spec_scheduled.get(rid, ()))
+            num_drafts = len(spec_scheduled[rid]) if spec_scheduled and rid in spec_scheduled else 0
             if num_drafts:
                 # Verification emitted the accepted drafts plus one token; the rejected drafts' KV slots
                 # are rolled back (overwritten later; never hashed, see kv_cache_manager.allocate_slots).
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= num_drafts - num_accepted
                 self._stats.record_spec_decode(num_drafts, num_accepted)
-            req.spec_token_ids = []
-            new_tokens: list[int] = []
-            for token in sampled:
-                req.output_token_ids.append(token)
-                new_tokens.append(token)
-                if check_stop(req, self.max_model_len):
-                    break  # a stop inside the accepted tokens truncates them
-            lp = runner_output.logprobs[i]
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            was_running = req.status == running  # (check_stop may finish it)
+            if len(sampled) == 1:  # the common case, without the per-token loop
+                req.output_token_ids.append(sampled[0])
+                new_tokens = sampled  # (the runner's output list is not touched after this)
+                stopped = check_stop(req, max_model_len)
+            else:
+                new_tokens = []
+                stopped = False
+                for token in sampled:
+                    req.output_token_ids.append(token)
+                    new_tokens.append(token)
+                    if check_stop(req, max_model_len):
+                        stopped = True
+                        break  # a stop inside the accepted tokens truncates them
+            num_cached = req.num_cached_tokens
             out = EngineCoreOutput(
-                rid, new_tokens, lp[: len(new_tokens)] if lp is not None else [],
-                num_cached_tokens=max(req.num_cached_tokens, 0),
+                rid, new_tokens, lp[: len(new_tokens)] if lp is not None else [], None, None,
+                num_cached if num_cached > 0 else 0,
             )
-            if req.is_finished():
+            if stopped:
                 out.finish_reason = req.get_finish_reason()
                 out.stop_reason = req.stop_reason
-                queue.remove(req)
+                if was_running:
+                    finished_running.append(req)
+                else:
+                    self.waiting.remove(req)
                 self._free(req)
             elif proposals and proposals[i]:
                 req.spec_token_ids = list(proposals[i])
             outputs.append(out)
+        if finished_running:
+            # One pass over the running list for all of them: a batch of equal requests finishes in one step,
+            # and list.remove per request would cost O(running) each.
+            if len(finished_running) == 1:
+                self.running.remove(finished_running[0])
+            else:
+                gone = set(map(id, finished_running))
+                self.running[:] = [r for r in self.running if id(r) not in gone]
         return outputs
 
     def _free(self, req: Request) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.spec_decode.verification import verify
 from pagedllm.worker.cuda_graphs import DecodeGraphs, GPURunnerOptions, StepBuffers, graph_ladder
 from pagedllm.worker.input_prep import (
+    BlockTableCache,
     GroupBlockIds,
     StepInputs,
     build_attn_metadata,
@@ -116,6 +118,10 @@ class ModelRunner:
         self._warned_overflow = False
         self._pending: _PendingStep | None = None  # pipelined mode: the step in flight (NOTE 1)
         self._sampled_host: torch.Tensor | None = None
+        # Block tables kept between steps, one per KV-cache group (input_prep.BlockTableCache).
+        self._table_caches = [BlockTableCache() for _ in self.block_sizes]
+        # The last step's sampling metadata: a steady batch reuses its params tensors (metadata.py `reuse`).
+        self._last_metadata: SamplingMetadata | None = None
         if device.type == "cuda":
             opts = self.options
             self._buffers = StepBuffers(
@@ -169,6 +175,8 @@ class ModelRunner:
         self.kv_caches = []
         self._buffers = None
         self.speculator = None
+        self._last_metadata = None
+        self._table_caches = [BlockTableCache() for _ in self.block_sizes]
         self.states.clear()
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -193,10 +201,12 @@ class ModelRunner:
                 [list(ids) for ids in new.block_ids],
                 new.num_computed_tokens,
             )
+        states = self.states
         for cached in so.scheduled_cached_reqs:
-            state = self.states[cached.req_id]
+            state = states[cached.req_id]
             for group, ids in enumerate(cached.new_block_ids):
-                state.block_ids[group].extend(ids)
+                if ids:  # most decode steps append no block
+                    state.block_ids[group].extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     @torch.inference_mode()
@@ -244,7 +254,9 @@ class ModelRunner:
                 [s.output_token_ids for s in rows],
                 self.vocab_size,
                 self.device,
+                reuse=self._last_metadata,
             )
+            self._last_metadata = metadata
             out = self.sampler(logits, metadata)
             tokens = out.sampled_token_ids.tolist()  # the step's one device->host sync
             entries = (
@@ -266,8 +278,12 @@ class ModelRunner:
 
     def _layout(self, so: SchedulerOutput) -> tuple[list[str], list[CachedRequestState], list[int]]:
         """The step's requests, decodes first (backends batch the query_len == 1 rows together)."""
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        return req_ids, [self.states[r] for r in req_ids], [so.num_scheduled_tokens[r] for r in req_ids]
+        num_scheduled = so.num_scheduled_tokens
+        if so.total_num_scheduled_tokens == len(num_scheduled):  # all decodes (one token each): no sort
+            req_ids = list(num_scheduled)
+            return req_ids, [self.states[r] for r in req_ids], [1] * len(req_ids)
+        req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
+        return req_ids, [self.states[r] for r in req_ids], [num_scheduled[r] for r in req_ids]
 
     def _forward_states(
         self,
@@ -282,7 +298,9 @@ class ModelRunner:
         more_groups: list[GroupBlockIds] = [
             ([s.block_ids[g] for s in states], size) for g, size in enumerate(self.block_sizes[1:], start=1)
         ]
-        return self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups, fill)
+        # The states' block lists only grow (_update_states extends them): the tables can be kept (input_prep.py).
+        return self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups, fill,
+                             self._table_caches)
 
     @torch.inference_mode()
     def execute_pipelined(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -299,9 +317,12 @@ class ModelRunner:
                                               self._placeholder_fill(states, num_sched))
         # The forward is queued behind the previous step; now take that step's ids (waits for it alone).
         previous = self._resolve_pending()
-        sample_rows = [i for i, s in enumerate(states) if s.num_computed_tokens + num_sched[i] >= s.num_tokens]
-        for i, s in enumerate(states):
-            s.num_computed_tokens += num_sched[i]
+        # Rows whose scheduled tokens reach the end of what is known sample; one pass over the batch.
+        sample_rows = []
+        for i, (s, n) in enumerate(zip(states, num_sched)):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens >= s.num_tokens:
+                sample_rows.append(i)
         if not sample_rows:
             self._pending = _PendingStep(req_ids, [], [], [], torch.empty(0), None, None, None)
             return previous
@@ -321,10 +342,7 @@ class ModelRunner:
             host.copy_(sampled_ids, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        positions = []
-        for r in rows:
-            positions.append(len(r.output_token_ids))
-            r.append_outputs([PLACEHOLDER])
+        positions = [r.append_output(PLACEHOLDER) for r in rows]
         self._pending = _PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs)
         return previous
 
@@ -334,8 +352,9 @@ class ModelRunner:
         if self.tp_rank == 0:
             metadata = SamplingMetadata.build(
                 [r.sampling_params for r in rows], [r.generator for r in rows], [r.prompt_token_ids for r in rows],
-                [r.output_token_ids for r in rows], self.vocab_size, self.device,
+                [r.output_token_ids for r in rows], self.vocab_size, self.device, reuse=self._last_metadata,
             )
+            self._last_metadata = metadata
             out = self.sampler(logits, metadata)
             sampled, logprobs = out.sampled_token_ids.to(torch.int64).contiguous(), out.logprobs
         else:
@@ -349,6 +368,21 @@ class ModelRunner:
         pending = self._pending
         if pending is None or not pending.states:
             return None
+        sampled = pending.sampled
+        n = len(states)
+        if (
+            len(pending.states) == n
+            and all(map(operator.is_, pending.states, states))
+            and all(k == 1 for k in num_sched)
+            and all(s.num_computed_tokens + 1 == len(s.token_ids) for s in states)
+        ):
+            # The steady decode step: the same requests as the step in flight, in the same order, each
+            # scheduling just its pending token (its last), so row j takes sample j (the general loop below
+            # would find exactly this, at ~1 µs a request).
+            def fill_all(input_ids: torch.Tensor) -> None:
+                input_ids[:n] = sampled
+
+            return fill_all
         src_of = {id(st): j for j, st in enumerate(pending.states)}
         dst, src = [], []
         row = 0
@@ -362,7 +396,6 @@ class ModelRunner:
         if not dst:
             return None
         index = to_device([dst, src], torch.int64, self.device)
-        sampled = pending.sampled
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids[index[0]] = sampled[index[1]]
@@ -383,9 +416,10 @@ class ModelRunner:
                 tokens = pending.host.tolist() if pending.host is not None else []
             else:
                 tokens = pending.sampled.tolist()
-            for j, (state, pos) in enumerate(zip(pending.states, pending.positions, strict=True)):
-                state.set_output(pos, tokens[j])
-                sampled[pending.sample_rows[j]] = [tokens[j]]
+            for state, pos, row, token in zip(pending.states, pending.positions, pending.sample_rows, tokens,
+                                              strict=True):
+                state.set_output(pos, token)
+                sampled[row] = [token]
             if pending.logprobs is not None:
                 entries = pending.logprobs.to_entries([st.sampling_params.logprobs for st in pending.states])
                 for j, i in enumerate(pending.sample_rows):
@@ -413,6 +447,7 @@ class ModelRunner:
         num_decodes: int,
         more_groups: list[GroupBlockIds] | None = None,
         fill: Callable[[torch.Tensor], None] | None = None,
+        table_caches: list[BlockTableCache] | None = None,
     ) -> tuple[StepInputs, torch.Tensor]:
         """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors.
 
@@ -422,7 +457,8 @@ class ModelRunner:
         more = more_groups or ()
         inputs: StepInputs | None = None
         if self._buffers is not None:
-            host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more)
+            host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more,
+                               table_caches)
             replay = self._graphs.run(host, fill) if self._graphs is not None else None
             if replay is not None:
                 return replay
@@ -435,7 +471,8 @@ class ModelRunner:
                 logger.warning("step larger than the runner's buffers %s; using fresh tensors", self.options)
         if inputs is None:  # the CPU (fresh tensors per step, as before the GPU path existed) or an oversized step
             inputs = prepare_inputs(
-                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more
+                token_ids, computed, num_sched, block_ids, self.block_size, self.device, num_decodes, more,
+                table_caches,
             )
             if fill is not None:
                 fill(inputs.input_ids)

@@ -39,6 +39,12 @@ class CachedRequestState:
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
 
+    def append_output(self, token_id: int) -> int:
+        """Record one emitted token; returns its index in `output_token_ids`."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        return len(self.output_token_ids) - 1
+
     def replace_last_outputs(self, token_ids: list[int]) -> None:
         """Overwrite the last len(token_ids) outputs (a tensor-parallel rank adopting rank 0's sample)."""
         n = len(token_ids)

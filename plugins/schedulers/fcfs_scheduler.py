@@ -23,21 +23,31 @@ class FCFSScheduler(SchedulerBase):
         num_scheduled: dict[str, int] = {}
         preempted_now = False
 
-        # 1. Running requests: decodes and unfinished prefill chunks.
+        # 1. Running requests: decodes and unfinished prefill chunks. This loop runs for every running request
+        #    at every step, so the checks are written out on the request's fields (ends_in_flight and
+        #    num_tokens_with_spec, without their calls).
+        running, allocate_slots, max_model_len = self.running, self.kv.allocate_slots, self.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if self.ends_in_flight(req):
-                i += 1  # async scheduling: its last token is being sampled now
-                continue
+        while i < len(running) and budget > 0:
+            req = running[i]
+            pending = req.num_output_placeholders
+            num_outputs = len(req.output_token_ids) + pending
+            num_tokens = len(req.prompt_token_ids) + num_outputs  # known and in flight
+            if pending:  # ends_in_flight(req), written out
+                max_tokens = req.sampling_params.max_tokens
+                if (max_tokens is not None and num_outputs >= max_tokens) or num_tokens >= max_model_len:
+                    i += 1  # async scheduling: its last token is being sampled now
+                    continue
             # Draft tokens (speculative decoding) ride along: they cost budget and KV slots like any token.
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 i += 1  # nothing new to compute yet (e.g. a request waiting for its drafts' verification)
                 continue
-            while self.kv.allocate_slots(req, num_new) is None:
+            while allocate_slots(req, num_new) is None:
                 # NOTE(1): out of blocks. Evict from the tail (latest admitted): it has done the least work.
-                victim = self.running.pop()
+                victim = running.pop()
                 self.preempt(victim)
                 preempted_now = True
                 if victim is req:
