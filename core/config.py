@@ -72,6 +72,13 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps within the token budget")
     max_waiting: int | None = Field(None, ge=1, description="bound on queued requests (None: unbounded)")
+    admission_headroom_tokens: int = Field(
+        256,
+        ge=0,
+        description="KV slots kept free for the running requests' next tokens when a waiting request is admitted: "
+        "each may grow by up to this many more tokens (or its max_tokens, if fewer) before admission takes blocks it "
+        "would need; 0 = admit while blocks are free (vLLM's rule, which then preempts and recomputes as they grow)",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="schedule and prepare step N+1 while the GPU runs step N (vLLM's async scheduling); "
@@ -359,6 +366,7 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "max_num_seqs": "scheduler.max_num_seqs",
         "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
         "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+        "admission_headroom_tokens": "scheduler.admission_headroom_tokens",
         "async_scheduling": "scheduler.async_scheduling",
         "scheduler_name": "scheduler.name",
         "attention_backend": "attention.backend",

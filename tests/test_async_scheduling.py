@@ -68,7 +68,7 @@ def test_pipelined_preemption_recomputes_identically(model_dir: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     roomy, _ = _run(model_dir, prompts, params, async_scheduling=False)
     tight, llm = _run(model_dir, prompts, params, num_kv_blocks=40, max_num_seqs=8, enable_prefix_caching=False,
-                      async_scheduling=True)
+                      async_scheduling=True, admission_headroom_tokens=0)
     assert _ids(tight) == _ids(roomy)
     assert llm.engine.get_stats().num_preemptions > 0
     assert llm.engine.kv_cache_usage == 0.0

@@ -50,11 +50,36 @@ def test_kv_pressure_preempts_and_recomputes_identically(model_dir: str) -> None
     roomy = _ids(LLM(model_dir, block_size=4).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
 
     # 40 blocks x 4 tokens: ~2 requests fit at once, so running requests must be preempted as they grow.
-    tight = LLM(model_dir, block_size=4, num_kv_blocks=40, max_num_seqs=8, enable_prefix_caching=False)
+    tight = LLM(model_dir, block_size=4, num_kv_blocks=40, max_num_seqs=8, enable_prefix_caching=False,
+                admission_headroom_tokens=0)  # vLLM's rule: admit while blocks are free, preempt later
     got = _ids(tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     assert got == roomy
     assert tight.engine.get_stats().num_preemptions > 0
     assert tight.engine.kv_cache_usage == 0.0
+
+
+def test_admission_headroom_admits_what_can_grow(model_dir: str) -> None:
+    """The same pressure with the default headroom (scheduler NOTE 2): a request is admitted only while every
+    running one can still grow to its max_tokens (24 here, under the headroom), so nothing is preempted, the
+    tokens are the same, and more than one request still runs at once."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 384) for _ in range(rng.randrange(20, 40))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = _ids(LLM(model_dir, block_size=4).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=40, max_num_seqs=8, enable_prefix_caching=False)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    most_running, finished = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = list(out.outputs[0].token_ids)
+        most_running = max(most_running, engine.get_stats().num_running)
+    assert [finished[i] for i in range(len(prompts))] == roomy
+    assert engine.get_stats().num_preemptions == 0
+    assert most_running >= 2
+    assert engine.kv_cache_usage == 0.0
 
 
 def test_aborts_free_everything_and_spare_the_rest(model_dir: str) -> None:

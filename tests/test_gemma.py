@@ -214,7 +214,8 @@ def test_preemption_and_abort_free_every_group(gemma: tuple[str, str, Any]) -> N
     # Decoding, a request holds ceil(52 / 4) = 13 global blocks and <= 3 per local group: 6 requests need
     # more than the pool's usable blocks, so running ones get preempted (max_model_len stays >= 52).
     blocks = 80 if kind == "gemma3" else 48
-    tight = LLM(path, block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=6, enable_prefix_caching=False)
+    tight = LLM(path, block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=6, enable_prefix_caching=False,
+                admission_headroom_tokens=0)
     assert tight.engine.parts.max_model_len >= 20 + NEW
     got = _ids(tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
     assert got == [ref(p)[0] for p in prompts]

@@ -123,7 +123,7 @@ def test_preemption_and_abort_free_every_group(model: tuple[str, Any]) -> None:
     # 30 blocks: each request holds 1 state block + up to 14 attention blocks at 22 + 32 tokens, so six do not
     # fit at once and the scheduler preempts (freeing both groups' blocks) and recomputes.
     tight = LLM(path, block_size=BLOCK, num_kv_blocks=30, max_num_seqs=6, max_num_batched_tokens=32,
-                enable_prefix_caching=False)
+                admission_headroom_tokens=0, enable_prefix_caching=False)
     got = _ids(tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
     assert tight.engine.get_stats().num_preemptions > 0
     assert got == [ref(p) for p in prompts]

@@ -224,7 +224,8 @@ def test_preemption_and_abort_free_everything(model_dir: str, hf_ref: Any) -> No
     prompts = _prompts(8, seed=3, lo=16, hi=21)
     # 14 blocks (13 usable, max_model_len 52 >= 20 + 32): decoding requests hold 3 blocks each, prefill chunks
     # more, so 8 requests do not fit at once and running ones get preempted.
-    tight = LLM(model_dir, block_size=BLOCK, num_kv_blocks=14, max_num_seqs=8, enable_prefix_caching=False)
+    tight = LLM(model_dir, block_size=BLOCK, num_kv_blocks=14, max_num_seqs=8, enable_prefix_caching=False,
+                admission_headroom_tokens=0)
     got = _ids(tight.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
     assert got == [hf_ref(p) for p in prompts]
     assert tight.engine.get_stats().num_preemptions > 0

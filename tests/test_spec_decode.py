@@ -78,7 +78,7 @@ def test_ngram_greedy_identical_mixed_chunked(target: str, prompts: list[list[in
 
 def test_ngram_greedy_identical_under_preemption(target: str, prompts: list[list[int]],
                                                  reference: list[list[int]]) -> None:
-    llm = LLM(target, block_size=4, num_kv_blocks=40, enable_prefix_caching=False,
+    llm = LLM(target, block_size=4, num_kv_blocks=40, enable_prefix_caching=False, admission_headroom_tokens=0,
               speculative_method="ngram", num_speculative_tokens=4)
     assert _ids(_generate(llm, prompts)) == reference
     stats = llm.engine.get_stats()
@@ -103,8 +103,8 @@ def test_draft_greedy_identical(target: str, other_draft: str, prompts: list[lis
 
 def test_draft_greedy_identical_under_preemption(target: str, prompts: list[list[int]],
                                                  reference: list[list[int]]) -> None:
-    llm = LLM(target, block_size=4, num_kv_blocks=40, speculative_method="draft", draft_model=target,
-              num_speculative_tokens=2)
+    llm = LLM(target, block_size=4, num_kv_blocks=40, admission_headroom_tokens=0, speculative_method="draft",
+              draft_model=target, num_speculative_tokens=2)
     assert _ids(_generate(llm, prompts)) == reference
     assert llm.engine.get_stats().num_preemptions > 0
 

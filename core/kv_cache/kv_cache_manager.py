@@ -151,6 +151,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        num_reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Give the request slots for `num_new_tokens` more tokens (after its prefix hits, if any).
 
@@ -174,6 +175,8 @@ class KVCacheManager:
                   hit them: it reads them in that same forward pass, which is sound because attention
                   writes a layer's new KV for the whole batch before any request reads that layer.
         bs        block size (the smallest over the groups; each group counts in its own block size).
+        reserved  num_reserved_blocks: free blocks this call must leave free (the scheduler's admission
+                  headroom for requests already running); 0 for running requests themselves.
         ```
 
         Returns the newly allocated blocks per group (hits are not included), or None when the free blocks
@@ -184,7 +187,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
-        if new_computed_blocks is None and not num_new_computed_tokens and self._single is not None:
+        if new_computed_blocks is None and not num_new_computed_tokens and self._single is not None \
+                and not num_reserved_blocks:
             grown = self._grow_within_held(request, num_new_tokens)
             if grown is not None:
                 return grown
@@ -195,7 +199,7 @@ class KVCacheManager:
         # Free what the request can no longer read first, so it counts as free below.
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_to_allocate = self.coordinator.get_num_blocks_to_allocate(rid, need, hit_blocks)
-        if num_to_allocate > self.block_pool.get_num_free_blocks():
+        if num_to_allocate + num_reserved_blocks > self.block_pool.get_num_free_blocks():
             return None
 
         # Touch hits before allocating: a free hit block sits in the free queue and would otherwise be

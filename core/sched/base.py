@@ -62,6 +62,7 @@ class SchedulerBase:
         # step costs no O(blocks) work).
         self._sent_blocks: dict[str, list[int]] = {}
         self._num_groups: int = self.kv.num_groups
+        self._block_size: int = self.kv.block_size  # the smallest over the groups (allocate_slots' bs)
         self._stats = SchedulerStats()
 
     # -- requests in and out -------------------------------------------------------------------------------
