@@ -70,7 +70,8 @@ class FCFSScheduler(SchedulerBase):
         # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck; admitting
         #    more would just preempt again), each only if the running ones keep their headroom (NOTE 2).
         headroom = self.config.admission_headroom_tokens
-        reserved = self._headroom_blocks(headroom) if headroom and self.waiting and not preempted_now else 0
+        admitting = self.waiting and not preempted_now and len(self.running) < self.config.max_num_seqs
+        reserved = self._headroom_blocks(headroom) if headroom and admitting else 0
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:
