@@ -86,6 +86,15 @@ def test_cascade_against_torch(interp: dict[str, Any], variant: str) -> None:
     assert res["nan"] == 0 and res["rel"] < 1e-5, res
 
 
+@pytest.mark.parametrize("variant", ["shared_80", "shared_80_split2", "off", "scattered"])
+def test_merge_with_several_heads_per_program(interp: dict[str, Any], variant: str) -> None:
+    """The merge kernel's large-batch form (HEADS > 1, forced on these small batches) gives the same attention."""
+    res = interp["cascade_merge_heads"][variant]
+    assert res["nan"] == 0 and res["rel"] < 1e-5, res
+    split = interp["split_merge_heads"]
+    assert split["nan"] == 0 and split["rel"] < 1e-5, split
+
+
 def test_cascade_prefix_detection() -> None:
     from pagedllm.worker.cuda_graphs import shared_prefix
     from pagedllm.worker.input_prep import plan_inputs
@@ -349,6 +358,13 @@ def _main() -> None:
     results["padding"] = _padding_case()
     results["decode_wide"] = _decode_wide_case()
     results["cascade"] = _cascade_case()
+    from pagedllm.plugins.attention import triton_kernels
+
+    triton_kernels.MERGE_HEADS_MIN_ROWS = 0  # the large-batch merge (several heads per program) on small batches
+    results["cascade_merge_heads"] = _cascade_case()
+    got, ref, _, _ = _run_both([3, 30, 17], [1, 1, 1], segments=4)
+    results["split_merge_heads"] = {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
+    triton_kernels.MERGE_HEADS_MIN_ROWS = 4096
     results["engine"] = _engine_case()
     print(json.dumps(results))
 
@@ -383,7 +399,8 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "for split, casc in ((False, False), (False, True), (True, True)):\n"
         "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
         "          SPLIT=split, CASCADE=casc, **plain), {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
-        "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=32),\n"
+        "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=32,\n"
+        "                                          HEADS=8 if casc else 1),\n"
         "          {'out_ptr'})\n"
         "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
         "from pagedllm.plugins.attention.triton_tuning import PREFILL as P\n"

@@ -43,6 +43,7 @@ Long-context decode batches have too few (request, KV head) programs to fill 132
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -50,6 +51,9 @@ import triton
 import triton.language as tl
 
 from pagedllm.plugins.attention.triton_tuning import AttentionConfig, choose_config
+
+# Merge programs take several heads each above this many (token, head) rows (_reduce_segments_kernel).
+MERGE_HEADS_MIN_ROWS = 4096
 
 # The shared-prefix length a cascade step uses is rounded down to this many keys, so that the prefix kernel's
 # and the suffix kernel's tiles (TILE_N of 16, 32 or 64) both end exactly at it.
@@ -391,14 +395,15 @@ def _prefix_attention_kernel(
 def _reduce_segments_kernel(
     out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, cascade_ptr, stride_ot, stride_oh, num_segments, seg_total,
     NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CASCADE: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, HEADS: tl.constexpr = 1,
 ):
     """Merge a row's partial segments, CHUNK at a time in one pass (the counts are run-time values: one
-    compiled variant). One pass with a running maximum: each chunk is one round of loads (maxima, sums and
-    the [CHUNK, HEAD] outputs together), where two passes of 8 cost a one-token decode's merge 4.5 us on the
-    H200 (docs/perf-notes.md §12)."""
+    compiled variant), for HEADS heads of token t per program. One pass with a running maximum: each chunk is
+    one round of loads (maxima, sums and the [CHUNK, HEAD] outputs together), where two passes of 8 cost a
+    one-token decode's merge 4.5 us on the H200 (docs/perf-notes.md §12). Several heads per program matter
+    for cascade-capable graphs of large batches whose prefix is 0 at run time: every program returns at once,
+    and 16,000 of them (500 tokens x 32 heads) still cost ~10 us a layer (perf-notes §14e)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
     # Segments [0, num_segments) are the row's own keys; with a cascade, [num_segments, seg_total) hold the
     # shared prefix's partials, written only for sharing rows (row t is request t) and a prefix > 0.
     n_valid = num_segments
@@ -407,28 +412,30 @@ def _reduce_segments_kernel(
         if num_segments == 1 and prefix == 0:  # the attention kernel wrote the output itself
             return
         n_valid = tl.where((prefix > 0) & (tl.load(cascade_ptr + 2 + t) != 0), seg_total, num_segments)
-    base = (t * NUM_HEADS + h) * seg_total
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_PAD)
-    m_all = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
-    total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
-    acc = tl.zeros([HEAD_PAD], tl.float32)
-    for c in range(0, n_valid, CHUNK):
-        ok = c + offs_c < n_valid
-        idx = base + c + offs_c
-        m = tl.load(seg_max_ptr + idx, mask=ok, other=float("-inf"))  # log2 units; empty: -inf
-        ssum = tl.load(seg_sum_ptr + idx, mask=ok, other=0.0)
-        part = tl.load(seg_out_ptr + idx[:, None] * HEAD_PAD + offs_d[None, :], mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m_all, tl.max(m, axis=0))
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: weights exp2(-inf) = 0
-        alpha = tl.exp2(m_all - shift)
-        w = tl.exp2(m - shift)
-        total = total * alpha + tl.sum(ssum * w, axis=0)
-        acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
-        m_all = m_new
-    out = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD)
+    for i in tl.static_range(HEADS):
+        h = tl.program_id(1) * HEADS + i
+        base = (t * NUM_HEADS + h) * seg_total
+        m_all = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
+        acc = tl.zeros([HEAD_PAD], tl.float32)
+        for c in range(0, n_valid, CHUNK):
+            ok = c + offs_c < n_valid
+            idx = base + c + offs_c
+            m = tl.load(seg_max_ptr + idx, mask=ok, other=float("-inf"))  # log2 units; empty: -inf
+            ssum = tl.load(seg_sum_ptr + idx, mask=ok, other=0.0)
+            part = tl.load(seg_out_ptr + idx[:, None] * HEAD_PAD + offs_d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m_all, tl.max(m, axis=0))
+            shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: weights exp2(-inf) = 0
+            alpha = tl.exp2(m_all - shift)
+            w = tl.exp2(m - shift)
+            total = total * alpha + tl.sum(ssum * w, axis=0)
+            acc = acc * alpha + tl.sum(part * w[:, None], axis=0)
+            m_all = m_new
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD)
 
 
 def unified_attention(
@@ -519,9 +526,12 @@ def unified_attention(
             TILE_N=16 if _interpreting() else 64, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype),
         )
     if seg_total > 1:
-        _reduce_segments_kernel[(num_tokens, num_heads)](
+        # Heads per merge program: one while the grid is small (a split single stream keeps every head in
+        # parallel), up to 8 for large batches (far fewer programs when a cascade graph's prefix is 0).
+        heads = math.gcd(num_heads, 8) if num_tokens * num_heads > MERGE_HEADS_MIN_ROWS else 1
+        _reduce_segments_kernel[(num_tokens, num_heads // heads)](
             out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1), num_segments, seg_total,
-            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, CASCADE=use_cascade, CHUNK=32,
+            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, CASCADE=use_cascade, CHUNK=32, HEADS=heads,
         )
     return out
 
