@@ -286,8 +286,9 @@ def _async_case(probe: list[list[int]]) -> tuple[list[dict], list[SamplingParams
 
 
 # Chunked prefill (16-token budget) and a KV cache too small for every request at once (preemption).
+# admission_headroom_tokens=0: vLLM's admission rule, so the pool's pressure preempts (the path under test)
 TIGHT = dict(device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8, max_num_batched_tokens=16,
-             enable_prefix_caching=False)
+             enable_prefix_caching=False, admission_headroom_tokens=0)
 UNSEEDED = (4, 5)
 
 
