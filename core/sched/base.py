@@ -122,6 +122,22 @@ class SchedulerBase:
             return True
         return len(request.prompt_token_ids) + num_outputs >= self.max_model_len
 
+    def growth_blocks(self, req: Request, headroom: int, computed: int) -> int:
+        """Blocks, in every KV-cache group, for the tokens `req` knows but has not computed past `computed`
+        plus up to `headroom` more outputs (no more than its max_tokens or the context allows): what an
+        admission that keeps `scheduler.admission_headroom_tokens` must leave free for it (fcfs NOTE 2)."""
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_output_placeholders
+        max_tokens = req.sampling_params.max_tokens
+        left = self.max_model_len - num_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(req.output_token_ids) - req.num_output_placeholders)
+        tokens = max(0, num_tokens - computed) + max(0, min(headroom, left))
+        return -(-tokens // self._block_size) * self._num_groups
+
+    def headroom_blocks(self, headroom: int) -> int:
+        """growth_blocks summed over the running requests, from what each has computed."""
+        return sum(self.growth_blocks(req, headroom, req.num_computed_tokens) for req in self.running)
+
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch (first in line)."""
         request.status = RequestStatus.PREEMPTED

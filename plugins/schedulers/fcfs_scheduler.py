@@ -71,7 +71,7 @@ class FCFSScheduler(SchedulerBase):
         #    more would just preempt again), each only if the running ones keep their headroom (NOTE 2).
         headroom = self.config.admission_headroom_tokens
         admitting = self.waiting and not preempted_now and len(self.running) < self.config.max_num_seqs
-        reserved = self._headroom_blocks(headroom) if headroom and admitting else 0
+        reserved = self.headroom_blocks(headroom) if headroom and admitting else 0
         while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_output_placeholders:
@@ -81,7 +81,7 @@ class FCFSScheduler(SchedulerBase):
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            own = self._growth_blocks(req, headroom, num_computed + num_new) if headroom else 0
+            own = self.growth_blocks(req, headroom, num_computed + num_new) if headroom else 0
             # With nothing running the request is admitted whatever its growth: something must make progress.
             reserve = reserved + own if self.running else 0
             if self.kv.allocate_slots(req, num_new, num_computed, computed_blocks, reserve) is None:
@@ -93,21 +93,6 @@ class FCFSScheduler(SchedulerBase):
             budget -= num_new
 
         return self.make_output(num_scheduled)
-
-    def _headroom_blocks(self, headroom: int) -> int:
-        """Blocks the running requests still need for their next `headroom` tokens each (NOTE 2)."""
-        return sum(self._growth_blocks(req, headroom, req.num_computed_tokens) for req in self.running)
-
-    def _growth_blocks(self, req: Request, headroom: int, computed: int) -> int:
-        """Blocks for the tokens `req` knows but has not computed past `computed`, plus up to `headroom` more
-        outputs (no more than its max_tokens or the context allows), in every KV-cache group."""
-        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_output_placeholders
-        max_tokens = req.sampling_params.max_tokens
-        left = self.max_model_len - num_tokens
-        if max_tokens is not None:
-            left = min(left, max_tokens - len(req.output_token_ids) - req.num_output_placeholders)
-        tokens = max(0, num_tokens - computed) + max(0, min(headroom, left))
-        return -(-tokens // self._block_size) * self._num_groups
 
     def _admit(self, req: Request, num_computed: int) -> None:
         req.status = RequestStatus.RUNNING
