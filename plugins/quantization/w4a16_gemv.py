@@ -41,6 +41,7 @@ NOTE 5: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -54,6 +55,16 @@ GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this ma
 # "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
 # examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
 GEMV_VARIANT = "mant"
+# "mma" (w4a16_mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses.
+GEMV_VARIANTS = ("mma", "mant", "mant_pf", "tile", "tile_pf", "base")
+
+
+def gemv_variant() -> str:
+    """GEMV_VARIANT, or $PAGEDLLM_W4A16_GEMV (one of GEMV_VARIANTS) for A/B runs on the GPU."""
+    got = os.environ.get("PAGEDLLM_W4A16_GEMV", GEMV_VARIANT)
+    if got not in GEMV_VARIANTS:
+        raise ValueError(f"PAGEDLLM_W4A16_GEMV={got!r}: expected one of {', '.join(GEMV_VARIANTS)}")
+    return got
 
 
 class GemvBlocks(NamedTuple):
@@ -214,7 +225,13 @@ def w4a16_gemv(
     m = flat.shape[0]
     reason = gemv_reason(layout, m, None) if m > 0 else "no rows"
     assert reason is None, f"w4a16_gemv: {reason}"
-    variant = variant or GEMV_VARIANT
+    variant = variant or gemv_variant()
+    if variant == "mma":
+        from pagedllm.plugins.quantization import w4a16_mma as mma
+
+        if mma.usable(layout, flat, scales, qweight, n):
+            return mma.w4a16_mma_gemv(x, layout, qweight, qzeros, scales, n)
+        variant = "mant"
     if variant != "base":
         from pagedllm.plugins.quantization import w4a16_gemv_tiled as tiled  # it imports this module
 

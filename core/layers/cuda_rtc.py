@@ -1,0 +1,115 @@
+"""CUDA C kernels compiled at first use with NVRTC and launched through the driver, for the few kernels Triton
+cannot express (tensor-core fragments built in registers: plugins/quantization/w4a16_mma.cu).
+
+    compile_cubin(source, name, arch)   NVRTC -> a cubin for one real architecture (no driver JIT); works on a
+                                        machine without a GPU (the CPU tests compile the sources this way)
+    load_kernel(source, name)           compile for the current device, load, cache; returns a launcher
+
+NOTE 1 (which NVRTC): torch's CUDA wheels depend on the `nvidia-cuda-nvrtc` package; its library is found
+by soname (loaded already or on the loader path), else under site-packages/nvidia/*/lib, else at
+$PAGEDLLM_NVRTC. The cubin is built for the device's own sm_XY ("a" suffix from sm_90: the kernels use no
+arch-specific instruction, but the suffix costs nothing and lets them), so nothing is JIT-compiled at load.
+NOTE 2 (launch): torch.cuda._utils' module loader and `_CudaKernel` launch with cuLaunchKernel on the current
+stream, so a launch inside torch.cuda.graph() is captured like any other kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import site
+import sys
+from typing import Any
+
+_NVRTC_SUCCESS = 0
+
+
+class RtcError(RuntimeError):
+    """NVRTC is missing or a source failed to compile (the message carries NVRTC's log)."""
+
+
+def _candidates() -> list[str]:
+    names = [os.environ.get("PAGEDLLM_NVRTC", "")]
+    names += [f"libnvrtc.so.{major}" for major in (13, 12)] + ["libnvrtc.so"]
+    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    for root in roots:
+        names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True)
+        names += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")), reverse=True)
+    return [n for n in names if n and "builtins" not in n and ".alt." not in n]
+
+
+@functools.cache
+def nvrtc() -> ctypes.CDLL:
+    """The NVRTC library (NOTE 1); RtcError when none loads."""
+    tried = []
+    for name in _candidates():
+        try:
+            # NVRTC dlopens its builtins library by soname at compile time: load it first from the same
+            # folder, so a wheel's lib folder need not be on the loader path.
+            for builtins in sorted(glob.glob(os.path.join(os.path.dirname(name), "libnvrtc-builtins.so*"))):
+                if os.path.dirname(name) and ".alt." not in builtins:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(name)
+        except OSError:
+            tried.append(name)
+    raise RtcError(f"NVRTC not found (tried {', '.join(tried[:6])}...); install nvidia-cuda-nvrtc or set PAGEDLLM_NVRTC")
+
+
+def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int] | None = None) -> bytes:
+    """A cubin of `source` for `arch` (e.g. "sm_90a"), with `defines` as -D options; RtcError with the log."""
+    lib = nvrtc()
+    prog = ctypes.c_void_p()
+    src = source.encode()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{name}.cu".encode(), 0, None, None) != _NVRTC_SUCCESS:
+        raise RtcError(f"nvrtcCreateProgram failed for {name}")
+    try:
+        opts = [f"--gpu-architecture={arch}", "-default-device", "--std=c++17", "-lineinfo"]
+        opts += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+        c_opts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        status = lib.nvrtcCompileProgram(prog, len(opts), c_opts)
+        log_size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
+        log = ctypes.create_string_buffer(log_size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if status != _NVRTC_SUCCESS:
+            raise RtcError(f"NVRTC could not compile {name} for {arch} ({opts[4:]}):\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) != _NVRTC_SUCCESS:
+            raise RtcError(f"NVRTC produced no cubin for {name} ({arch} must be a real architecture, sm_XY)")
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def device_arch(device: Any) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+_KERNELS: dict[tuple[str, str, tuple[tuple[str, int], ...], str], Any] = {}
+
+
+def load_kernel(source: str, name: str, device: Any, defines: dict[str, int] | None = None) -> Any:
+    """`name` from `source` compiled for `device` and loaded there (cached per source, defines and arch).
+
+    The result is called as kernel(grid=(x, y, z), block=(x, y, z), args=[tensors and ints]) (NOTE 2)."""
+    import torch
+    from torch.cuda._utils import _cuda_load_module
+
+    arch = device_arch(device)
+    key = (source, name, tuple(sorted((defines or {}).items())), arch)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        cubin = compile_cubin(source, name, arch, defines)
+        with torch.cuda.device(device):
+            loaded = _cuda_load_module(cubin, [name])
+        assert isinstance(loaded, dict), loaded
+        kernel = loaded[name]
+        _KERNELS[key] = kernel
+    return kernel

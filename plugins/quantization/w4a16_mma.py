@@ -1,0 +1,164 @@
+"""W4A16 decode GEMV on tensor cores (w4a16_mma.cu), for M <= 8 activation rows of GPTQ-ordered 4-bit weights.
+
+The Triton GEMVs (w4a16_gemv.py, w4a16_gemv_tiled.py) spend one FP32 FMA per code and activation row plus the
+unpacking: 3.44 SASS instructions per code for the best of them (`mant`), which left it issue-bound at ~48 %
+of the H200's copy bandwidth (docs/perf-notes.md §14d). Here a code pair becomes a bfloat16 / float16 pair in
+three instructions (PRMT, LOP3, HADD2) and goes straight into an mma.m16n8k16 fragment, whose eight columns
+take up to eight activation rows at the same cost: ~1.75 instructions per code at any M <= 8 (sm_90a SASS,
+counted offline from the NVRTC cubin). Triton cannot place values in mma fragments, so this one kernel is CUDA C,
+compiled at first use by NVRTC (pagedllm.layers.cuda_rtc). The weights stay in the checkpoint's GPTQ order:
+no repacking (w4a16_mma.cu NOTE 1).
+
+    grid (N / 64, splits)       block: WARPS warps, 64 output columns, WARPS x ITERS iterations of 32 inputs
+    warp                        ITERS iterations; each: two 16-byte word loads + one of x per lane, 8 mma
+    block -> y                  warps summed in shared memory; splits > 1: float32 partials + a ticket per
+                                column block, the last block sums them in order (deterministic, graph safe)
+
+NOTE 1 (sizes): ITERS is picked so that about 16 warps per SM stream at once (132 SMs); UNROLL (iterations
+whose loads are in flight together) divides the group's iterations, so a group's zero points and scales are
+loaded once per group. `blocks=` overrides (the H200 sweep, examples/gpu/w4_gemv_sweep.py --variants mma).
+NOTE 2 (when it runs): CUDA devices of compute capability >= 8.0 (mma.sync bf16), 4-bit GPTQ order (AWQ is
+repacked into it at load), groups of a multiple of 32 inputs, N a multiple of 64, 16-bit activations with
+scales of the same dtype, NVRTC found; `mma_reason` says why not, and w4a16_gemv falls back to the Triton
+GEMVs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+
+logger = logging.getLogger(__name__)
+
+MMA_MAX_M = 8  # the mma's eight B columns
+_SMS = 132
+_TARGET_WARPS = _SMS * 16
+
+
+class MmaBlocks(NamedTuple):
+    warps: int  # per block
+    iters: int  # iterations of 32 inputs per warp (a multiple of unroll)
+    unroll: int  # iterations whose loads are issued together (divides the group's iterations)
+
+
+@functools.cache
+def _source() -> str:
+    return Path(__file__).with_name("w4a16_mma.cu").read_text()
+
+
+def _unroll(layout: PackedLayout, k: int) -> int:
+    group_iters = layout.group_size // 32
+    return next(u for u in (4, 2, 1) if group_iters % u == 0 and (k // 32) % u == 0)
+
+
+def mma_blocks(layout: PackedLayout, m: int, n: int, k: int) -> MmaBlocks:
+    """NOTE 1: ITERS the power of two in [4, 64] nearest to ~16 warps per SM for this shape."""
+    unroll = _unroll(layout, k)
+    total_iters = k // 32
+    want = (n // 64) * total_iters / _TARGET_WARPS
+    iters = 4
+    while iters < 64 and iters * 1.5 < want:
+        iters *= 2
+    iters = max(iters, unroll)
+    return MmaBlocks(4, iters, unroll)
+
+
+def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> str | None:
+    """Why the mma GEMV cannot take this product (None: it can); NOTE 2."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if not x.is_cuda or torch.version.hip:
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "compute capability below 8.0 (no bf16 mma.sync)"
+    if layout.kind != "gptq" or layout.bits != 4:
+        return f"{layout.bits}-bit {layout.kind} (4-bit GPTQ order only)"
+    if not 0 < m <= MMA_MAX_M:
+        return f"{m} rows (1..{MMA_MAX_M})"
+    if x.dtype not in (torch.bfloat16, torch.float16) or scales.dtype != x.dtype:
+        return f"activations {x.dtype} with scales {scales.dtype} (one 16-bit dtype)"
+    if n % 64 or k % 32 or layout.group_size % 32:
+        return f"N = {n} (multiple of 64), K = {k}, group {layout.group_size} (multiples of 32)"
+    if not (qweight.is_contiguous() and scales.is_contiguous() and qweight.shape[1] == n):
+        return "qweight / scales not contiguous [*, N]"
+    return None
+
+
+@functools.cache
+def _kernel_or_error(device: torch.device, defines: tuple[tuple[str, int], ...]) -> object:
+    from pagedllm.layers.cuda_rtc import RtcError, load_kernel
+
+    try:
+        return load_kernel(_source(), "w4a16_mma_gemv", device, dict(defines))
+    except (RtcError, OSError, RuntimeError) as exc:
+        return exc
+
+
+def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks) -> Exception | None:
+    """None when the kernel for these blocks compiles and loads on `device`, else why not (cached)."""
+    got = _kernel_or_error(device, _defines(dtype, blocks))
+    return got if isinstance(got, Exception) else None
+
+
+def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> bool:
+    """mma_reason is None and the default blocks' kernel compiled; a compile failure is logged once."""
+    if mma_reason(layout, x, scales, qweight, n) is not None:
+        return False
+    k = x.shape[-1]
+    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k))
+    if error is not None:
+        _warn_once(str(error))
+    return error is None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("w4a16 mma GEMV unavailable, the Triton GEMV runs instead: %s", message)
+
+
+def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
+    return (("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters), ("UNROLL", blocks.unroll),
+            ("WARPS", blocks.warps))
+
+
+def w4a16_mma_gemv(
+    x: torch.Tensor,
+    layout: PackedLayout,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    blocks: MmaBlocks | tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None."""
+    from pagedllm.layers.split_k import tickets
+
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1 or flat.stride(0) % 8 or flat.data_ptr() % 16:
+        flat = flat.clone(memory_format=torch.contiguous_format)  # 16-byte aligned rows for the uint4 loads
+    m = flat.shape[0]
+    b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k)
+    assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
+    kernel = _kernel_or_error(x.device, _defines(x.dtype, b))
+    if isinstance(kernel, Exception):
+        raise kernel
+    total_iters = k // 32
+    splits = -(-total_iters // (b.warps * b.iters))
+    col_blocks = n // 64
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
+    kernel(  # type: ignore[operator]
+        grid=(col_blocks, splits, 1),
+        block=(b.warps * 32, 1, 1),
+        args=[flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
+              scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset],
+    )
+    return y.reshape(*x.shape[:-1], n)
