@@ -3,14 +3,15 @@ cannot express (tensor-core fragments built in registers: plugins/quantization/w
 
     compile_cubin(source, name, arch)   NVRTC -> a cubin for one real architecture (no driver JIT); works on a
                                         machine without a GPU (the CPU tests compile the sources this way)
-    load_kernel(source, name)           compile for the current device, load, cache; returns a launcher
+    load_kernel(source, name, device)   compile for the device's architecture, load, cache: a CUfunction handle
+    launch(kernel, grid, block, args)   cuLaunchKernel / cuLaunchKernelEx (pdl=True) on the current stream
 
 NOTE 1 (which NVRTC): torch's CUDA wheels depend on the `nvidia-cuda-nvrtc` package; its library is found
 by soname (loaded already or on the loader path), else under site-packages/nvidia/*/lib, else at
 $PAGEDLLM_NVRTC. The cubin is built for the device's own sm_XY ("a" suffix from sm_90: the kernels use no
 arch-specific instruction, but the suffix costs nothing and lets them), so nothing is JIT-compiled at load.
-NOTE 2 (launch): torch.cuda._utils' module loader and `_CudaKernel` launch with cuLaunchKernel on the current
-stream, so a launch inside torch.cuda.graph() is captured like any other kernel.
+NOTE 2 (launch): torch.cuda._utils loads the module; `launch` calls the driver on torch's current stream, so
+a launch inside torch.cuda.graph() is captured like any other kernel (a PDL launch as a programmatic edge).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ _KERNELS: dict[tuple[str, str, tuple[tuple[str, int], ...], str], Any] = {}
 def load_kernel(source: str, name: str, device: Any, defines: dict[str, int] | None = None) -> Any:
     """`name` from `source` compiled for `device` and loaded there (cached per source, defines and arch).
 
-    The result is called as kernel(grid=(x, y, z), block=(x, y, z), args=[tensors and ints]) (NOTE 2)."""
+    Launch it with `launch` (NOTE 2)."""
     import torch
     from torch.cuda._utils import _cuda_load_module
 
@@ -113,3 +114,45 @@ def load_kernel(source: str, name: str, device: Any, defines: dict[str, int] | N
         kernel = loaded[name]
         _KERNELS[key] = kernel
     return kernel
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Any],
+           pdl: bool = False) -> None:
+    """kernel(args) on the current stream; `pdl` launches it with programmatic stream serialization, so it may
+    start before the kernel ahead of it ends (it must execute griddepcontrol.wait before reading that
+    kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints."""
+    import torch
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    keep: list[Any] = []
+    for a in args:
+        keep.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
+    c_args = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    stream = torch.cuda.current_stream()
+    lib = _get_gpu_runtime_library()
+    if not pdl:
+        _check_cuda(lib.cuLaunchKernel(kernel.func, *grid, *block, 0, stream._as_parameter_, c_args, None))
+        return
+    attr = _Attr()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.flag = 1
+    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
+    _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, c_args, None))

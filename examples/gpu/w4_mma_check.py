@@ -27,17 +27,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  # noqa: E402
 
-GRID = [(w, i, u) for w in (4, 8) for i in (4, 8, 16, 32) for u in (4, 2)]
+BLOCKS = [(4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 4), (4, 8, 2), (8, 8, 4), (4, 32, 4)]
+# (tiled, pipe, pdl): w4a16_mma.cu NOTE 4, PIPE, NOTE 5
+FEATURES = [(t, p, d) for t in (0, 1) for p in (0, 1) for d in (0, 1)]
 
 
-def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int) -> dict[str, Any]:
+def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int,
+              features: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
     from pagedllm.plugins.quantization.w4a16_layout import (
         PackedLayout,
         dequantize,
         pack_along_columns,
         pack_along_rows,
     )
-    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, mma_reason, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, mma_reason, tile_words, w4a16_mma_gemv
 
     group = group if group > 0 else k
     q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
@@ -47,15 +50,19 @@ def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offse
     qw, qz = pack_along_rows(q, 4), pack_along_columns(z - zero_offset, 4)
     x = torch.randn(m, k, device="cuda").to(dtype)
     reason = mma_reason(layout, x, s, qw, n)
-    rec: dict[str, Any] = {"n": n, "k": k, "m": m, "dtype": str(dtype), "group": group, "zero_offset": zero_offset}
+    rec: dict[str, Any] = {"n": n, "k": k, "m": m, "dtype": str(dtype), "group": group, "zero_offset": zero_offset,
+                           "features": list(features)}
     if reason:
         rec["refused"] = reason
         return rec
     ref = x.float() @ dequantize(layout, qw, qz, s, dtype=torch.float32)
-    y = w4a16_mma_gemv(x, layout, qw, qz, s, n)
-    rec["blocks"] = list(mma_blocks(layout, m, n, k))
+    tiled, pipe, pdl = features
+    blocks = mma_blocks(layout, m, n, k)._replace(pipe=pipe, pdl=pdl)
+    words = tile_words(qw) if tiled else qw
+    y = w4a16_mma_gemv(x, layout, words, qz, s, n, blocks, tiled=bool(tiled))
+    rec["blocks"] = list(blocks)
     rec["err"] = float((y.float() - ref).abs().max() / ref.abs().max())
-    rec["same_bits_twice"] = bool(torch.equal(y, w4a16_mma_gemv(x, layout, qw, qz, s, n)))
+    rec["same_bits_twice"] = bool(torch.equal(y, w4a16_mma_gemv(x, layout, words, qz, s, n, blocks, tiled=bool(tiled))))
     return rec
 
 
@@ -65,7 +72,7 @@ def main() -> None:
     ap.add_argument("--skip-grid", action="store_true", help="only the default blocks in stage 2")
     args = ap.parse_args()
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, tile_words, w4a16_mma_gemv
 
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "speed": []}
@@ -74,7 +81,8 @@ def main() -> None:
         ((192, 256), m, dt, g, zo) for m in (1, 2, 3, 5, 8) for dt in (torch.bfloat16, torch.float16)
         for g, zo in ((128, 1), (32, 0), (-1, 1))
     ] + [(shape, m, torch.bfloat16, 128, 1) for shape in SHAPES_8B.values() for m in (1, 4, 8)]:
-        rec = check_one(n, k, m, dtype, group, zo)
+      for feat in FEATURES if (n, k) == (192, 256) or m == 1 else FEATURES[:1]:
+        rec = check_one(n, k, m, dtype, group, zo, feat)
         out["checks"].append(rec)
         bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
         if "refused" in rec or rec["err"] > bound or not rec["same_bits_twice"]:
@@ -100,22 +108,35 @@ def main() -> None:
         del ws, w16
         rec["mant_us"] = timer.us_per_call(
             [functools.partial(w4a16_gemv, x1, lay, *st, n, variant="mant") for st in w["sets"]])
-        default = tuple(mma_blocks(lay, 1, n, k))
-        grid = [default] if args.skip_grid else [default] + [g for g in GRID if g != default]
+        default = tuple(mma_blocks(lay, 1, n, k))[:3]
+        tiled_sets = [(tile_words(st[0]), *st[1:]) for st in w["sets"]]
+        grid = [default] if args.skip_grid else [default] + [g for g in BLOCKS if g != default]
         rec["mma"] = {}
-        for blocks in grid:
-            if k // 32 % blocks[2] or blocks[1] % blocks[2]:
-                continue
-            try:
-                us = timer.us_per_call(
-                    [functools.partial(w4a16_mma_gemv, x1, lay, *st, n, blocks) for st in w["sets"]])
-            except Exception as exc:  # noqa: BLE001 -- a refused config is recorded, not fatal
-                rec["mma"][str(blocks)] = f"{type(exc).__name__}: {exc}"[:200]
-                continue
-            rec["mma"][str(blocks)] = us
+        for feat in FEATURES:
+            for blocks3 in grid:
+                if k // 32 % blocks3[2] or blocks3[1] % blocks3[2]:
+                    continue
+                blocks = MmaBlocks(*blocks3, feat[1], feat[2])
+                sets = tiled_sets if feat[0] else w["sets"]
+                key = str((*blocks3, *feat))
+                try:
+                    rec["mma"][key] = timer.us_per_call(
+                        [functools.partial(w4a16_mma_gemv, x1, lay, *st, n, blocks, bool(feat[0])) for st in sets])
+                except Exception as exc:  # noqa: BLE001 -- a refused config is recorded, not fatal
+                    rec["mma"][key] = f"{type(exc).__name__}: {exc}"[:200]
+        del tiled_sets
+        rec["by_features"] = {}
+        for feat in FEATURES:
+            got = {b: v for b, v in rec["mma"].items() if isinstance(v, float) and b.endswith(f"{feat[0]}, {feat[1]}, {feat[2]})")}
+            if got:
+                best_b = min(got, key=got.__getitem__)
+                rec["by_features"][str(feat)] = (best_b, got[best_b])
+        print(f"{name}: best per (tiled, pipe, pdl): " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
+              flush=True)
+        default = str((*default, 0, 0, 0))
         times = {b: v for b, v in rec["mma"].items() if isinstance(v, float)}
         best = min(times, key=times.__getitem__)
-        rec["mma_default_us"], rec["mma_best"], rec["mma_best_us"] = times[str(default)], best, times[best]
+        rec["mma_default_us"], rec["mma_best"], rec["mma_best_us"] = times[default], best, times[best]
         for m in (2, 4, 8):
             xm = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             rec[f"mma_m{m}_us"] = timer.us_per_call(

@@ -3,8 +3,9 @@
 //
 //   y[m, n] = sum_k x[m, k] * s[k / G, n] * (q[k, n] - z[k / G, n])        m < M <= 8
 //
-// The host prepends: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
-// whose loads are issued together; divides G / 32), FP16 (1: float16 activations and scales, 0: bfloat16).
+// Defined by the host: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
+// whose loads are issued together; divides G / 32), FP16 (1: float16 activations and scales, 0: bfloat16),
+// TILED (NOTE 4), PIPE (1: the next UNROLL run's loads are issued before this one's math), PDL (NOTE 5).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -28,6 +29,13 @@
 // partials [split, m, n] and a ticket per 64-column block: the block that draws the last ticket sums the
 // partials in split order (the same bits every run), writes y and puts the ticket back to 0, so the buffer is
 // zero between launches and a CUDA graph can replay the launch (the Triton GEMVs' split_k.py scheme).
+
+// NOTE 4 (TILED): the words of a 64-column block's iteration (4 word rows x 64 columns, 1 KB) stored
+// together, [N / 64][K / 32][4][64], so a warp's UNROLL run is one contiguous stretch of DRAM (the GPTQ order
+// has it as 256-byte pieces of rows 4N bytes apart). Same words, permuted once at load (w4a16_mma.py).
+// NOTE 5 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
+// issues its first weight loads (the weights are not written by the kernel before it), and only then waits
+// for that kernel before reading x.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -110,11 +118,20 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
+struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
+    uint4 wa[UNROLL], wb[UNROLL], xv[UNROLL];
+    u32 za, zb;
+    uint2 sa, sb;
+};
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32* __restrict__ qz,
                const u16* __restrict__ sc, u16* __restrict__ y, float* __restrict__ part,
                u32* __restrict__ tickets, int M, int N, int stride_x, int stride_qz, int stride_s,
                int total_iters, int group_iters, int zero_offset) {
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nb = blockIdx.x * 64;
@@ -122,9 +139,17 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     const int it0 = (split * WARPS + warp) * ITERS;
     const int it1 = min(it0 + ITERS, total_iters);
 
-    const u32* wp = qw + (size_t)t * N + nb + 4 * g;  // word row 4i + t, columns nb + 4g ..
+#if TILED  // NOTE 4: [N / 64][K / 32][4 word rows][64 columns]
+    const u32* wp = qw + (size_t)blockIdx.x * total_iters * 256 + t * 64 + 4 * g;
+    const int it_words = 256, b_off = 32;
+#else  // GPTQ order: word row 4i + t, columns nb + 4g ..
+    const u32* wp = qw + (size_t)t * N + nb + 4 * g;
+    const int it_words = 4 * N, b_off = 32;
+#endif
     const bool has_row = g < M;
     const u16* xp = x + (size_t)(has_row ? g : 0) * stride_x + 8 * t;
+    const u32* zp = qz + (nb >> 3) + (g >> 1);
+    const u16* sp = sc + nb + 4 * g;
 
     float out[4][4];
     float acc[4][4];
@@ -135,29 +160,50 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     u32 nz_a[4], nz_b[4];
     float s_a[4], s_b[4];
 
-    for (int it = it0; it < it1; it += UNROLL) {
-        uint4 wa[UNROLL], wb[UNROLL], xv[UNROLL];
+    Batch cur;
+#if PIPE
+    Batch nxt;
+#endif
+    auto load_w = [&](Batch& b, int it) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const u32* p = wp + (size_t)(it + u) * 4 * N;
-            wa[u] = load_stream(p);
-            wb[u] = load_stream(p + 32);
-            xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
+            const u32* p = wp + (size_t)(it + u) * it_words;
+            b.wa[u] = load_stream(p);
+            b.wb[u] = load_stream(p + b_off);
         }
+        const int grp = it / group_iters;
+        b.za = __ldg(zp + (size_t)grp * stride_qz);
+        b.zb = __ldg(zp + (size_t)grp * stride_qz + 4);
+        b.sa = __ldg(reinterpret_cast<const uint2*>(sp + (size_t)grp * stride_s));
+        b.sb = __ldg(reinterpret_cast<const uint2*>(sp + (size_t)grp * stride_s + 32));
+    };
+    auto load_x = [&](Batch& b, int it) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
+    };
+    if (it0 < it1) load_w(cur, it0);
+#if PDL  // NOTE 5: the first weights are in flight before the kernel that writes x has finished
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    if (it0 < it1) load_x(cur, it0);
+
+    for (int it = it0; it < it1; it += UNROLL) {
+#if PIPE
+        if (it + UNROLL < it1) {
+            load_w(nxt, it + UNROLL);
+            load_x(nxt, it + UNROLL);
+        }
+#endif
         if (it == it0 || it % group_iters == 0) {  // a new group: its zero points and scales
-            const int grp = it / group_iters;
-            const u32 zw_a = __ldg(qz + (size_t)grp * stride_qz + (nb >> 3) + (g >> 1));
-            const u32 zw_b = __ldg(qz + (size_t)grp * stride_qz + (nb >> 3) + 4 + (g >> 1));
-            const uint2 sv_a = __ldg(reinterpret_cast<const uint2*>(sc + (size_t)grp * stride_s + nb + 4 * g));
-            const uint2 sv_b = __ldg(reinterpret_cast<const uint2*>(sc + (size_t)grp * stride_s + nb + 32 + 4 * g));
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int shift = 4 * (4 * (g & 1) + j);
-                const u32 za = NEG_BASE | (((zw_a >> shift) & 0xFu) + zero_offset);
-                const u32 zb = NEG_BASE | (((zw_b >> shift) & 0xFu) + zero_offset);
+                const u32 za = NEG_BASE | (((cur.za >> shift) & 0xFu) + zero_offset);
+                const u32 zb = NEG_BASE | (((cur.zb >> shift) & 0xFu) + zero_offset);
                 nz_a[j] = za | (za << 16);
                 nz_b[j] = zb | (zb << 16);
-                const u32 wsa = j < 2 ? sv_a.x : sv_a.y, wsb = j < 2 ? sv_b.x : sv_b.y;
+                const u32 wsa = j < 2 ? cur.sa.x : cur.sa.y, wsb = j < 2 ? cur.sb.x : cur.sb.y;
                 s_a[j] = half_to_float((u16)(wsa >> (16 * (j & 1))));
                 s_b[j] = half_to_float((u16)(wsb >> (16 * (j & 1))));
             }
@@ -166,12 +212,12 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const u32 a = component(wa[u], j), b = component(wb[u], j);
+                const u32 a = component(cur.wa[u], j), b = component(cur.wb[u], j);
                 const u32 ah = a >> 4, bh = b >> 4;
                 mma(acc[j], pair(a, ah, SEL0, nz_a[j]), pair(b, bh, SEL0, nz_b[j]), pair(a, ah, SEL1, nz_a[j]),
-                    pair(b, bh, SEL1, nz_b[j]), xv[u].x, xv[u].y);
+                    pair(b, bh, SEL1, nz_b[j]), cur.xv[u].x, cur.xv[u].y);
                 mma(acc[j], pair(a, ah, SEL2, nz_a[j]), pair(b, bh, SEL2, nz_b[j]), pair(a, ah, SEL3, nz_a[j]),
-                    pair(b, bh, SEL3, nz_b[j]), xv[u].z, xv[u].w);
+                    pair(b, bh, SEL3, nz_b[j]), cur.xv[u].z, cur.xv[u].w);
             }
         }
         if ((it + UNROLL) % group_iters == 0 || it + UNROLL >= it1) {  // the group ends: scale and keep
@@ -184,6 +230,14 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
                 acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             }
         }
+#if PIPE
+        cur = nxt;
+#else
+        if (it + UNROLL < it1) {
+            load_w(cur, it + UNROLL);
+            load_x(cur, it + UNROLL);
+        }
+#endif
     }
 
     // NOTE 3: the block's warps meet in shared memory ([warp][m][column]).

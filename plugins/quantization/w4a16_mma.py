@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +46,14 @@ class MmaBlocks(NamedTuple):
     warps: int  # per block
     iters: int  # iterations of 32 inputs per warp (a multiple of unroll)
     unroll: int  # iterations whose loads are issued together (divides the group's iterations)
+    pipe: int = 0  # 1: the next run's loads before this run's math (w4a16_mma.cu PIPE)
+    pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 5; sm_90+)
+
+
+def tile_words(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ words [K/8, N] -> the same words in w4a16_mma.cu's TILED order [N/64][K/32][4][64] (same shape)."""
+    k8, n = qweight.shape
+    return qweight.view(k8 // 4, 4, n // 64, 64).permute(2, 0, 1, 3).contiguous().view(k8, n)
 
 
 @functools.cache
@@ -66,7 +75,19 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int) -> MmaBlocks:
     while iters < 64 and iters * 1.5 < want:
         iters *= 2
     iters = max(iters, unroll)
-    return MmaBlocks(4, iters, unroll)
+    knobs = _env_knobs()
+    return MmaBlocks(4, iters, unroll, knobs.get("pipe", 0), knobs.get("pdl", 0))
+
+
+@functools.cache
+def _env_knobs() -> dict[str, int]:
+    """$PAGEDLLM_W4A16_MMA, e.g. "pdl=1,pipe=1": A/B runs on the GPU (NOTE 1)."""
+    raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
+    knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
+    unknown = sorted(set(knobs) - {"pdl", "pipe"})
+    if unknown:
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, pipe)")
+    return {k: int(v) for k, v in knobs.items()}
 
 
 def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> str | None:
@@ -122,9 +143,9 @@ def _warn_once(message: str) -> None:
     logger.warning("w4a16 mma GEMV unavailable, the Triton GEMV runs instead: %s", message)
 
 
-def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
-    return (("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters), ("UNROLL", blocks.unroll),
-            ("WARPS", blocks.warps))
+def _defines(dtype: torch.dtype, blocks: MmaBlocks, tiled: bool = False) -> tuple[tuple[str, int], ...]:
+    return (("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters), ("PDL", blocks.pdl),
+            ("PIPE", blocks.pipe), ("TILED", int(tiled)), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps))
 
 
 def w4a16_mma_gemv(
@@ -134,9 +155,11 @@ def w4a16_mma_gemv(
     qzeros: torch.Tensor,
     scales: torch.Tensor,
     n: int,
-    blocks: MmaBlocks | tuple[int, int, int] | None = None,
+    blocks: MmaBlocks | tuple[int, ...] | None = None,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None."""
+    from pagedllm.layers.cuda_rtc import launch
     from pagedllm.layers.split_k import tickets
 
     k = x.shape[-1]
@@ -146,7 +169,7 @@ def w4a16_mma_gemv(
     m = flat.shape[0]
     b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
-    kernel = _kernel_or_error(x.device, _defines(x.dtype, b))
+    kernel = _kernel_or_error(x.device, _defines(x.dtype, b, tiled))
     if isinstance(kernel, Exception):
         raise kernel
     total_iters = k // 32
@@ -155,10 +178,7 @@ def w4a16_mma_gemv(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
-    kernel(  # type: ignore[operator]
-        grid=(col_blocks, splits, 1),
-        block=(b.warps * 32, 1, 1),
-        args=[flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
-              scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset],
-    )
+    launch(kernel, (col_blocks, splits, 1), (b.warps * 32, 1, 1),
+           [flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
+            scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl))
     return y.reshape(*x.shape[:-1], n)
