@@ -66,8 +66,20 @@ def _unroll(layout: PackedLayout, k: int) -> int:
     return next(u for u in (4, 2, 1) if group_iters % u == 0 and (k // 32) % u == 0)
 
 
-def mma_blocks(layout: PackedLayout, m: int, n: int, k: int) -> MmaBlocks:
-    """NOTE 1: ITERS the power of two in [4, 64] nearest to ~16 warps per SM for this shape."""
+# (N, K) -> (warps, iters, unroll) at M = 1: the H200 sweep's best per Llama-3.1-8B shape (group 128; `python
+# examples/gpu/w4_mma_check.py`, 2026-11-30 05:45 UTC, docs/benchmarks.md). Other shapes use the rule below.
+_SWEPT = {(6144, 4096): (4, 8, 4), (4096, 4096): (8, 4, 2), (28672, 4096): (4, 16, 4), (4096, 14336): (4, 16, 4)}
+
+
+@functools.cache
+def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.device | None = None) -> MmaBlocks:
+    """NOTE 1: the swept entry, else ITERS the power of two in [4, 64] nearest to ~16 warps per SM; PDL on
+    sm_90+ unless $PAGEDLLM_W4A16_MMA says otherwise."""
+    knobs = _env_knobs()
+    pdl = knobs.get("pdl", int(device is not None and torch.cuda.get_device_capability(device) >= (9, 0)))
+    swept = _SWEPT.get((n, k))
+    if swept is not None and (layout.group_size // 32) % swept[2] == 0:
+        return MmaBlocks(*swept, knobs.get("pipe", 0), pdl)
     unroll = _unroll(layout, k)
     total_iters = k // 32
     want = (n // 64) * total_iters / _TARGET_WARPS
@@ -75,8 +87,7 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int) -> MmaBlocks:
     while iters < 64 and iters * 1.5 < want:
         iters *= 2
     iters = max(iters, unroll)
-    knobs = _env_knobs()
-    return MmaBlocks(4, iters, unroll, knobs.get("pipe", 0), knobs.get("pdl", 0))
+    return MmaBlocks(4, iters, unroll, knobs.get("pipe", 0), pdl)
 
 
 @functools.cache
@@ -132,7 +143,7 @@ def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight:
     if mma_reason(layout, x, scales, qweight, n) is not None:
         return False
     k = x.shape[-1]
-    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k))
+    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k, x.device))
     if error is not None:
         _warn_once(str(error))
     return error is None
@@ -167,7 +178,7 @@ def w4a16_mma_gemv(
     if flat.stride(-1) != 1 or flat.stride(0) % 8 or flat.data_ptr() % 16:
         flat = flat.clone(memory_format=torch.contiguous_format)  # 16-byte aligned rows for the uint4 loads
     m = flat.shape[0]
-    b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k)
+    b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
     kernel = _kernel_or_error(x.device, _defines(x.dtype, b, tiled))
     if isinstance(kernel, Exception):
