@@ -27,20 +27,21 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  # noqa: E402
 
-BLOCKS = [(4, 4, 4), (4, 8, 4), (8, 4, 2), (4, 16, 4), (4, 8, 2), (8, 8, 4), (4, 32, 4)]
-# (tiled, pipe, pdl): w4a16_mma.cu NOTE 4, PIPE, NOTE 5
-FEATURES = [(t, p, d) for t in (0, 1) for p in (0, 1) for d in (0, 1)]
+BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2), (4, 8, 1), (4, 16, 1),
+          (4, 32, 2)]
+# (cols, zfold, pdl): w4a16_mma.cu NOTE 1, NOTE 2, NOTE 4
+FEATURES = [(c, z, d) for c in (4, 2) for z in (1, 0) for d in (1, 0)]
 
 
 def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int,
-              features: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
+              features: tuple[int, int, int] = (4, 1, 1)) -> dict[str, Any]:
     from pagedllm.plugins.quantization.w4a16_layout import (
         PackedLayout,
         dequantize,
         pack_along_columns,
         pack_along_rows,
     )
-    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, mma_reason, tile_words, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, mma_reason, w4a16_mma_gemv
 
     group = group if group > 0 else k
     q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
@@ -56,13 +57,12 @@ def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offse
         rec["refused"] = reason
         return rec
     ref = x.float() @ dequantize(layout, qw, qz, s, dtype=torch.float32)
-    tiled, pipe, pdl = features
-    blocks = mma_blocks(layout, m, n, k)._replace(pipe=pipe, pdl=pdl)
-    words = tile_words(qw) if tiled else qw
-    y = w4a16_mma_gemv(x, layout, words, qz, s, n, blocks, tiled=bool(tiled))
+    cols, zfold, pdl = features
+    blocks = mma_blocks(layout, m, n, k)._replace(cols=cols, zfold=zfold, pdl=pdl)
+    y = w4a16_mma_gemv(x, layout, qw, qz, s, n, blocks)
     rec["blocks"] = list(blocks)
     rec["err"] = float((y.float() - ref).abs().max() / ref.abs().max())
-    rec["same_bits_twice"] = bool(torch.equal(y, w4a16_mma_gemv(x, layout, words, qz, s, n, blocks, tiled=bool(tiled))))
+    rec["same_bits_twice"] = bool(torch.equal(y, w4a16_mma_gemv(x, layout, qw, qz, s, n, blocks)))
     return rec
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--skip-grid", action="store_true", help="only the default blocks in stage 2")
     args = ap.parse_args()
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, tile_words, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, w4a16_mma_gemv
 
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "speed": []}
@@ -108,32 +108,29 @@ def main() -> None:
         del ws, w16
         rec["mant_us"] = timer.us_per_call(
             [functools.partial(w4a16_gemv, x1, lay, *st, n, variant="mant") for st in w["sets"]])
-        default = tuple(mma_blocks(lay, 1, n, k))[:3]
-        tiled_sets = [(tile_words(st[0]), *st[1:]) for st in w["sets"]]
+        default = tuple(mma_blocks(lay, 1, n, k, x1.device))[:3]
         grid = [default] if args.skip_grid else [default] + [g for g in BLOCKS if g != default]
         rec["mma"] = {}
         for feat in FEATURES:
             for blocks3 in grid:
                 if k // 32 % blocks3[2] or blocks3[1] % blocks3[2]:
                     continue
-                blocks = MmaBlocks(*blocks3, feat[1], feat[2])
-                sets = tiled_sets if feat[0] else w["sets"]
+                blocks = MmaBlocks(*blocks3, *feat)
                 key = str((*blocks3, *feat))
                 try:
                     rec["mma"][key] = timer.us_per_call(
-                        [functools.partial(w4a16_mma_gemv, x1, lay, *st, n, blocks, bool(feat[0])) for st in sets])
+                        [functools.partial(w4a16_mma_gemv, x1, lay, *st, n, blocks) for st in w["sets"]])
                 except Exception as exc:  # noqa: BLE001 -- a refused config is recorded, not fatal
                     rec["mma"][key] = f"{type(exc).__name__}: {exc}"[:200]
-        del tiled_sets
         rec["by_features"] = {}
         for feat in FEATURES:
             got = {b: v for b, v in rec["mma"].items() if isinstance(v, float) and b.endswith(f"{feat[0]}, {feat[1]}, {feat[2]})")}
             if got:
                 best_b = min(got, key=got.__getitem__)
                 rec["by_features"][str(feat)] = (best_b, got[best_b])
-        print(f"{name}: best per (tiled, pipe, pdl): " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
+        print(f"{name}: best per (cols, zfold, pdl): " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
               flush=True)
-        default = str((*default, 0, 0, 0))
+        default = str(tuple(mma_blocks(lay, 1, n, k, x1.device)))
         times = {b: v for b, v in rec["mma"].items() if isinstance(v, float)}
         best = min(times, key=times.__getitem__)
         rec["mma_default_us"], rec["mma_best"], rec["mma_best_us"] = times[default], best, times[best]

@@ -4,8 +4,9 @@
 //   y[m, n] = sum_k x[m, k] * s[k / G, n] * (q[k, n] - z[k / G, n])        m < M <= 8
 //
 // Defined by the host: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
-// whose loads are issued together; divides G / 32), FP16 (1: float16 activations and scales, 0: bfloat16),
-// TILED (NOTE 4), PIPE (1: the next UNROLL run's loads are issued before this one's math), PDL (NOTE 5).
+// whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
+// owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
+// PDL (NOTE 4).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -15,25 +16,24 @@
 // NOTE 1 (no repacking): k positions need only agree between A and B, so position (2t, 2t+1, 2t+8, 2t+9) of
 // a tile stands for input 8r + (0, 1, 2, 3) and of the next tile for 8r + (4..7), where r = 4i + t is the
 // GPTQ word row lane t reads in iteration i. One 32-bit word (8 codes of one column) then feeds two tiles,
-// and lane (g, t) loads its words as two 16-byte loads per iteration -- columns nb + 4g .. +3 (A row g) and
-// nb + 32 + 4g .. +3 (A row g + 8) of word row 4i + t -- and its activations as one 16-byte load of
-// x[g, 32i + 8t .. +7]: four 128-byte rows of words per warp, coalesced. Column j of the four loaded gives
-// A rows (g, g + 8) <-> outputs (nb + 4g + j, nb + 32 + 4g + j): four mma pairs per iteration, 64 outputs.
-// NOTE 2 (a code pair in three instructions): bf16 128 + q has the bits 0x4300 | q (fp16: 1024 + q, 0x6400 |
+// and lane (g, t) loads its words as two COLS-word loads per iteration -- columns nb + COLS g .. (A row g)
+// and nb + CB / 2 + COLS g .. (A row g + 8) of word row 4i + t -- and its activations as one 16-byte load of
+// x[g, 32i + 8t .. +7]: four rows of 4 CB contiguous bytes per warp. Column j of the COLS loaded gives A rows
+// (g, g + 8) <-> outputs (nb + COLS g + j, nb + CB / 2 + COLS g + j): COLS mma pairs per iteration.
+// NOTE 2 (a code pair in two instructions): bf16 128 + q has the bits 0x4300 | q (fp16: 1024 + q, 0x6400 |
 // q), exact for q < 128. PRMT puts byte b of the word (codes 2b, 2b + 1) in the low half and byte b of the
 // word >> 4 in the high half, so `& 0x000F000F | 0x43004300` (one LOP3) is the pair (128 + q_2b,
-// 128 + q_2b+1), lower k in the lower half as the fragment wants; one FMA2 with -(128 + z) gives q - z exactly
-// (|q - z| <= 16). The group scale multiplies the fp32 accumulators once per group, not every weight.
+// 128 + q_2b+1), lower k in the lower half as the fragment wants. The zero point: ZFOLD 0 subtracts
+// 128 + z with one HADD2-class FMA2 per pair (q - z, exact); ZFOLD 1 keeps 128 + q in the fragment and
+// subtracts (128 + z) X afterwards, where X = the group's sum of x per row comes from one more mma per tile
+// with A = ones (sum (128 + q) x - (128 + z) sum x = sum (q - z) x; the fp32 sums lose ~8 of 24 bits to the
+// cancellation, far under bf16's 8). The group scale multiplies the fp32 accumulators once per group.
 // NOTE 3 (split-K): warps of a block take consecutive ITERS-iteration runs of K and are summed through shared
 // memory; blocks along gridDim.y take consecutive runs of WARPS * ITERS iterations and meet through float32
-// partials [split, m, n] and a ticket per 64-column block: the block that draws the last ticket sums the
+// partials [split, m, n] and a ticket per column block: the block that draws the last ticket sums the
 // partials in split order (the same bits every run), writes y and puts the ticket back to 0, so the buffer is
 // zero between launches and a CUDA graph can replay the launch (the Triton GEMVs' split_k.py scheme).
-
-// NOTE 4 (TILED): the words of a 64-column block's iteration (4 word rows x 64 columns, 1 KB) stored
-// together, [N / 64][K / 32][4][64], so a warp's UNROLL run is one contiguous stretch of DRAM (the GPTQ order
-// has it as 256-byte pieces of rows 4N bytes apart). Same words, permuted once at load (w4a16_mma.py).
-// NOTE 5 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
+// NOTE 4 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
 // issues its first weight loads (the weights are not written by the kernel before it), and only then waits
 // for that kernel before reading x.
 
@@ -42,6 +42,7 @@ typedef unsigned short u16;
 
 #if FP16
 #define MAGIC2 0x64006400u
+#define BASE 1024.f
 #define NEG_BASE 0xE400u
 #define ONE2 0x3C003C00u
 #define FMA2 "fma.rn.f16x2"
@@ -49,11 +50,39 @@ typedef unsigned short u16;
 #define CVT16 "cvt.rn.f16.f32"
 #else
 #define MAGIC2 0x43004300u
+#define BASE 128.f
 #define NEG_BASE 0xC300u
 #define ONE2 0x3F803F80u
 #define FMA2 "fma.rn.bf16x2"
 #define MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #define CVT16 "cvt.rn.bf16.f32"
+#endif
+
+#define CB (16 * COLS)
+
+#if COLS == 4
+typedef uint4 wvec;
+#define WGET(v, j) ((j) == 0 ? (v).x : (j) == 1 ? (v).y : (j) == 2 ? (v).z : (v).w)
+__device__ __forceinline__ wvec load_words(const u32* p) {
+    wvec v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+typedef uint2 svec;  // COLS 16-bit scales
+#define SGET(v, j) ((u16)(((j) < 2 ? (v).x : (v).y) >> (16 * ((j) & 1))))
+#elif COLS == 2
+typedef uint2 wvec;
+#define WGET(v, j) ((j) == 0 ? (v).x : (v).y)
+__device__ __forceinline__ wvec load_words(const u32* p) {
+    wvec v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+typedef u32 svec;
+#define SGET(v, j) ((u16)((v) >> (16 * (j))))
+#else
+#error "COLS must be 2 or 4"
 #endif
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
@@ -75,9 +104,14 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
-// Codes 2b, 2b + 1 of `w` minus the zero point, as a 16-bit pair (NOTE 2); hi = w >> 4.
+// Codes 2b, 2b + 1 of `w` as the 16-bit pair (128 + q) (ZFOLD) or (q - z) (NOTE 2); hi = w >> 4.
 __device__ __forceinline__ u32 pair(u32 w, u32 hi, u32 sel, u32 neg_zero) {
-    return fma2(and_or(prmt(w, hi, sel), 0x000F000Fu, MAGIC2), ONE2, neg_zero);
+    const u32 v = and_or(prmt(w, hi, sel), 0x000F000Fu, MAGIC2);
+#if ZFOLD
+    return v;
+#else
+    return fma2(v, ONE2, neg_zero);
+#endif
 }
 
 #define SEL0 0x4400u
@@ -89,17 +123,6 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
     asm volatile(MMA " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint4 load_stream(const u32* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ u32 component(const uint4& v, int j) {
-    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
 __device__ __forceinline__ float half_to_float(u16 h) {
@@ -119,9 +142,10 @@ __device__ __forceinline__ u16 float_to_half(float f) {
 }
 
 struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
-    uint4 wa[UNROLL], wb[UNROLL], xv[UNROLL];
+    wvec wa[UNROLL], wb[UNROLL];
+    uint4 xv[UNROLL];
     u32 za, zb;
-    uint2 sa, sb;
+    svec sa, sb;
 };
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -134,48 +158,43 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int nb = blockIdx.x * 64;
+    const int nb = blockIdx.x * CB;
     const int split = blockIdx.y, splits = gridDim.y;
     const int it0 = (split * WARPS + warp) * ITERS;
     const int it1 = min(it0 + ITERS, total_iters);
 
-#if TILED  // NOTE 4: [N / 64][K / 32][4 word rows][64 columns]
-    const u32* wp = qw + (size_t)blockIdx.x * total_iters * 256 + t * 64 + 4 * g;
-    const int it_words = 256, b_off = 32;
-#else  // GPTQ order: word row 4i + t, columns nb + 4g ..
-    const u32* wp = qw + (size_t)t * N + nb + 4 * g;
-    const int it_words = 4 * N, b_off = 32;
-#endif
+    const u32* wp = qw + (size_t)t * N + nb + COLS * g;  // word row 4i + t, columns nb + COLS g ..
     const bool has_row = g < M;
     const u16* xp = x + (size_t)(has_row ? g : 0) * stride_x + 8 * t;
-    const u32* zp = qz + (nb >> 3) + (g >> 1);
-    const u16* sp = sc + nb + 4 * g;
+    const u32* zp = qz + ((nb + COLS * g) >> 3);
+    const u16* sp = sc + nb + COLS * g;
+    const int zshift = 4 * ((COLS * g) & 7);
 
-    float out[4][4];
-    float acc[4][4];
+    float out[COLS][4];
+    float acc[COLS][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < COLS; ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) out[j][r] = acc[j][r] = 0.f;
-    u32 nz_a[4], nz_b[4];
-    float s_a[4], s_b[4];
+#if ZFOLD
+    float xs[4] = {0.f, 0.f, 0.f, 0.f};  // the group's sums of x: D of A = ones (NOTE 2)
+#else
+    u32 nz_a[COLS], nz_b[COLS];
+#endif
 
     Batch cur;
-#if PIPE
-    Batch nxt;
-#endif
     auto load_w = [&](Batch& b, int it) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const u32* p = wp + (size_t)(it + u) * it_words;
-            b.wa[u] = load_stream(p);
-            b.wb[u] = load_stream(p + b_off);
+            const u32* p = wp + (size_t)(it + u) * 4 * N;
+            b.wa[u] = load_words(p);
+            b.wb[u] = load_words(p + CB / 2);
         }
         const int grp = it / group_iters;
         b.za = __ldg(zp + (size_t)grp * stride_qz);
-        b.zb = __ldg(zp + (size_t)grp * stride_qz + 4);
-        b.sa = __ldg(reinterpret_cast<const uint2*>(sp + (size_t)grp * stride_s));
-        b.sb = __ldg(reinterpret_cast<const uint2*>(sp + (size_t)grp * stride_s + 32));
+        b.zb = __ldg(zp + (size_t)grp * stride_qz + COLS);
+        b.sa = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s));
+        b.sb = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s + CB / 2));
     };
     auto load_x = [&](Batch& b, int it) {
 #pragma unroll
@@ -183,68 +202,78 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
             b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
     };
     if (it0 < it1) load_w(cur, it0);
-#if PDL  // NOTE 5: the first weights are in flight before the kernel that writes x has finished
+#if PDL  // NOTE 4: the first weights are in flight before the kernel that writes x has finished
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     if (it0 < it1) load_x(cur, it0);
 
     for (int it = it0; it < it1; it += UNROLL) {
-#if PIPE
-        if (it + UNROLL < it1) {
-            load_w(nxt, it + UNROLL);
-            load_x(nxt, it + UNROLL);
-        }
-#endif
-        if (it == it0 || it % group_iters == 0) {  // a new group: its zero points and scales
+#if !ZFOLD
+        if (it == it0 || it % group_iters == 0) {  // a new group: its zero points
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int shift = 4 * (4 * (g & 1) + j);
-                const u32 za = NEG_BASE | (((cur.za >> shift) & 0xFu) + zero_offset);
-                const u32 zb = NEG_BASE | (((cur.zb >> shift) & 0xFu) + zero_offset);
+            for (int j = 0; j < COLS; ++j) {
+                const u32 za = NEG_BASE | (((cur.za >> (zshift + 4 * j)) & 0xFu) + zero_offset);
+                const u32 zb = NEG_BASE | (((cur.zb >> (zshift + 4 * j)) & 0xFu) + zero_offset);
                 nz_a[j] = za | (za << 16);
                 nz_b[j] = zb | (zb << 16);
-                const u32 wsa = j < 2 ? cur.sa.x : cur.sa.y, wsb = j < 2 ? cur.sb.x : cur.sb.y;
-                s_a[j] = half_to_float((u16)(wsa >> (16 * (j & 1))));
-                s_b[j] = half_to_float((u16)(wsb >> (16 * (j & 1))));
             }
         }
+#endif
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
+#if ZFOLD
+            mma(xs, ONE2, ONE2, ONE2, ONE2, cur.xv[u].x, cur.xv[u].y);
+            mma(xs, ONE2, ONE2, ONE2, ONE2, cur.xv[u].z, cur.xv[u].w);
+#endif
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const u32 a = component(cur.wa[u], j), b = component(cur.wb[u], j);
+            for (int j = 0; j < COLS; ++j) {
+                const u32 a = WGET(cur.wa[u], j), b = WGET(cur.wb[u], j);
                 const u32 ah = a >> 4, bh = b >> 4;
-                mma(acc[j], pair(a, ah, SEL0, nz_a[j]), pair(b, bh, SEL0, nz_b[j]), pair(a, ah, SEL1, nz_a[j]),
-                    pair(b, bh, SEL1, nz_b[j]), cur.xv[u].x, cur.xv[u].y);
-                mma(acc[j], pair(a, ah, SEL2, nz_a[j]), pair(b, bh, SEL2, nz_b[j]), pair(a, ah, SEL3, nz_a[j]),
-                    pair(b, bh, SEL3, nz_b[j]), cur.xv[u].z, cur.xv[u].w);
+#if ZFOLD
+                const u32 zna = 0, znb = 0;
+#else
+                const u32 zna = nz_a[j], znb = nz_b[j];
+#endif
+                mma(acc[j], pair(a, ah, SEL0, zna), pair(b, bh, SEL0, znb), pair(a, ah, SEL1, zna),
+                    pair(b, bh, SEL1, znb), cur.xv[u].x, cur.xv[u].y);
+                mma(acc[j], pair(a, ah, SEL2, zna), pair(b, bh, SEL2, znb), pair(a, ah, SEL3, zna),
+                    pair(b, bh, SEL3, znb), cur.xv[u].z, cur.xv[u].w);
             }
         }
         if ((it + UNROLL) % group_iters == 0 || it + UNROLL >= it1) {  // the group ends: scale and keep
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                out[j][0] += s_a[j] * acc[j][0];
-                out[j][1] += s_a[j] * acc[j][1];
-                out[j][2] += s_b[j] * acc[j][2];
-                out[j][3] += s_b[j] * acc[j][3];
+            for (int j = 0; j < COLS; ++j) {
+                const float sa = half_to_float(SGET(cur.sa, j)), sb = half_to_float(SGET(cur.sb, j));
+#if ZFOLD
+                const float za = BASE + (float)(((cur.za >> (zshift + 4 * j)) & 0xFu) + zero_offset);
+                const float zb = BASE + (float)(((cur.zb >> (zshift + 4 * j)) & 0xFu) + zero_offset);
+                out[j][0] += sa * (acc[j][0] - za * xs[0]);
+                out[j][1] += sa * (acc[j][1] - za * xs[1]);
+                out[j][2] += sb * (acc[j][2] - zb * xs[2]);
+                out[j][3] += sb * (acc[j][3] - zb * xs[3]);
+#else
+                out[j][0] += sa * acc[j][0];
+                out[j][1] += sa * acc[j][1];
+                out[j][2] += sb * acc[j][2];
+                out[j][3] += sb * acc[j][3];
+#endif
                 acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
             }
+#if ZFOLD
+            xs[0] = xs[1] = xs[2] = xs[3] = 0.f;
+#endif
         }
-#if PIPE
-        cur = nxt;
-#else
         if (it + UNROLL < it1) {
             load_w(cur, it + UNROLL);
             load_x(cur, it + UNROLL);
         }
-#endif
     }
 
     // NOTE 3: the block's warps meet in shared memory ([warp][m][column]).
-    __shared__ float red[WARPS][8][64];
+    __shared__ float red[WARPS][8][CB];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int m0 = 2 * t, m1 = 2 * t + 1, c0 = 4 * g + j, c1 = 32 + 4 * g + j;
+    for (int j = 0; j < COLS; ++j) {
+        const int m0 = 2 * t, m1 = 2 * t + 1, c0 = COLS * g + j, c1 = CB / 2 + COLS * g + j;
         if (m0 < M) {
             red[warp][m0][c0] = out[j][0];
             red[warp][m0][c1] = out[j][2];
@@ -255,8 +284,8 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < M * 64; idx += WARPS * 32) {
-        const int m = idx >> 6, c = idx & 63;
+    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
+        const int m = idx / CB, c = idx % CB;
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
@@ -272,8 +301,8 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1u) == (u32)(splits - 1);
     __syncthreads();
     if (!last) return;
-    for (int idx = threadIdx.x; idx < M * 64; idx += WARPS * 32) {
-        const int m = idx >> 6, c = idx & 63;
+    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
+        const int m = idx / CB, c = idx % CB;
         float v = 0.f;
         for (int s = 0; s < splits; ++s) v += __ldcg(part + ((size_t)s * M + m) * N + nb + c);
         y[(size_t)m * N + nb + c] = float_to_half(v);

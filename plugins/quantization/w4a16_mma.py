@@ -46,14 +46,9 @@ class MmaBlocks(NamedTuple):
     warps: int  # per block
     iters: int  # iterations of 32 inputs per warp (a multiple of unroll)
     unroll: int  # iterations whose loads are issued together (divides the group's iterations)
-    pipe: int = 0  # 1: the next run's loads before this run's math (w4a16_mma.cu PIPE)
-    pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 5; sm_90+)
-
-
-def tile_words(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ words [K/8, N] -> the same words in w4a16_mma.cu's TILED order [N/64][K/32][4][64] (same shape)."""
-    k8, n = qweight.shape
-    return qweight.view(k8 // 4, 4, n // 64, 64).permute(2, 0, 1, 3).contiguous().view(k8, n)
+    cols: int = 4  # 4 or 2 columns per lane: a block owns 16 * cols outputs (w4a16_mma.cu NOTE 1)
+    zfold: int = 1  # 1: the zero point subtracted after the mma (w4a16_mma.cu NOTE 2)
+    pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 4; sm_90+)
 
 
 @functools.cache
@@ -79,25 +74,26 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.devic
     pdl = knobs.get("pdl", int(device is not None and torch.cuda.get_device_capability(device) >= (9, 0)))
     swept = _SWEPT.get((n, k))
     if swept is not None and (layout.group_size // 32) % swept[2] == 0:
-        return MmaBlocks(*swept, knobs.get("pipe", 0), pdl)
+        return MmaBlocks(*swept, pdl=pdl)._replace(**{k: v for k, v in knobs.items() if k != "pdl"})
     unroll = _unroll(layout, k)
     total_iters = k // 32
-    want = (n // 64) * total_iters / _TARGET_WARPS
+    cols = 4 if n % 64 == 0 else 2
+    want = (n // (16 * cols)) * total_iters / _TARGET_WARPS
     iters = 4
     while iters < 64 and iters * 1.5 < want:
         iters *= 2
     iters = max(iters, unroll)
-    return MmaBlocks(4, iters, unroll, knobs.get("pipe", 0), pdl)
+    return MmaBlocks(4, iters, unroll, cols, pdl=pdl)._replace(**{k: v for k, v in knobs.items() if k != "pdl"})
 
 
 @functools.cache
 def _env_knobs() -> dict[str, int]:
-    """$PAGEDLLM_W4A16_MMA, e.g. "pdl=1,pipe=1": A/B runs on the GPU (NOTE 1)."""
+    """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "pipe"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold"})
     if unknown:
-        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, pipe)")
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold)")
     return {k: int(v) for k, v in knobs.items()}
 
 
@@ -115,8 +111,8 @@ def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwei
         return f"{m} rows (1..{MMA_MAX_M})"
     if x.dtype not in (torch.bfloat16, torch.float16) or scales.dtype != x.dtype:
         return f"activations {x.dtype} with scales {scales.dtype} (one 16-bit dtype)"
-    if n % 64 or k % 32 or layout.group_size % 32:
-        return f"N = {n} (multiple of 64), K = {k}, group {layout.group_size} (multiples of 32)"
+    if n % 32 or k % 32 or layout.group_size % 32:
+        return f"N = {n}, K = {k}, group {layout.group_size} (multiples of 32)"
     if not (qweight.is_contiguous() and scales.is_contiguous() and qweight.shape[1] == n):
         return "qweight / scales not contiguous [*, N]"
     return None
@@ -154,9 +150,9 @@ def _warn_once(message: str) -> None:
     logger.warning("w4a16 mma GEMV unavailable, the Triton GEMV runs instead: %s", message)
 
 
-def _defines(dtype: torch.dtype, blocks: MmaBlocks, tiled: bool = False) -> tuple[tuple[str, int], ...]:
-    return (("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters), ("PDL", blocks.pdl),
-            ("PIPE", blocks.pipe), ("TILED", int(tiled)), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps))
+def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
+    return (("COLS", blocks.cols), ("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters),
+            ("PDL", blocks.pdl), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
 
 def w4a16_mma_gemv(
@@ -167,7 +163,6 @@ def w4a16_mma_gemv(
     scales: torch.Tensor,
     n: int,
     blocks: MmaBlocks | tuple[int, ...] | None = None,
-    tiled: bool = False,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None."""
     from pagedllm.layers.cuda_rtc import launch
@@ -180,12 +175,13 @@ def w4a16_mma_gemv(
     m = flat.shape[0]
     b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
-    kernel = _kernel_or_error(x.device, _defines(x.dtype, b, tiled))
+    assert n % (16 * b.cols) == 0, (n, b)
+    kernel = _kernel_or_error(x.device, _defines(x.dtype, b))
     if isinstance(kernel, Exception):
         raise kernel
     total_iters = k // 32
     splits = -(-total_iters // (b.warps * b.iters))
-    col_blocks = n // 64
+    col_blocks = n // (16 * b.cols)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
