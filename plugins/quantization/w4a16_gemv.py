@@ -54,8 +54,10 @@ GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this ma
 # The kernel decode takes: "base" (this file's) or one of w4a16_gemv_tiled.TILED_VARIANTS ("tile", "tile_pf",
 # "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
 # examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
-GEMV_VARIANT = "mant"
-# "mma" (w4a16_mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses.
+GEMV_VARIANT = "mma"
+# "mma" (w4a16_mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses or
+# NVRTC is missing. H200 per 8B layer (docs/benchmarks.md, 2026-11-30 05:53 UTC): M = 1 51.4 vs mant 53.6 µs,
+# M = 2 52.1 vs 79.0, M = 4 54.7 vs 130.7, M = 8 59.6 (mant stops at 4 rows); GPTQ W3 2.66 vs 2.75 ms.
 GEMV_VARIANTS = ("mma", "mant", "mant_pf", "tile", "tile_pf", "base")
 
 
