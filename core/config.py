@@ -163,6 +163,13 @@ class EngineConfig(_Section):
         "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py; W3 "
         "4.86 -> 4.24 ms/token there); false: always cuBLAS",
     )
+    gc_threshold: int | None = Field(
+        50_000,
+        ge=1,
+        description="Python's young-generation GC threshold while an engine runs (Python's default is 700: at "
+        "hundreds of requests that collected several times per step, with full collections stalling the GPU); "
+        "null keeps the process's setting; restored at shutdown",
+    )
     cuda_graph_sizes: list[int] | None = Field(
         None, description="padded decode batch sizes to capture; None = 1,2,4,8..64 step 8, then step 32"
     )

@@ -98,6 +98,22 @@ def test_engine_freezes_its_startup_objects_until_shutdown(tiny_root: Path) -> N
     assert gc.get_freeze_count() == 0
 
 
+def test_engine_raises_the_gc_threshold_until_shutdown(tiny_root: Path) -> None:
+    """gc_threshold (EngineCore NOTE) holds while the engine runs; shutdown puts the process's back; null
+    leaves it alone."""
+    import gc
+
+    before = gc.get_threshold()
+    model = make_tiny_model("llama", tiny_root)
+    engine = LLMEngine(EngineConfig(model=model, num_threads=1, gc_threshold=12_345))
+    assert gc.get_threshold() == (12_345, *before[1:])
+    engine.shutdown()
+    assert gc.get_threshold() == before
+    engine = LLMEngine(EngineConfig(model=model, num_threads=1, gc_threshold=None))
+    assert gc.get_threshold() == before
+    engine.shutdown()
+
+
 def test_dropping_the_llm_shuts_the_engine_down(tiny_root: Path) -> None:
     """`del llm` gives the engine's frozen start-up objects back to the GC (and fires engine_stopped once):
     otherwise reference cycles among them -- a CUDA engine's graphs and weights -- would outlive it."""

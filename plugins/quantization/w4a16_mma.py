@@ -101,10 +101,6 @@ def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwei
     """Why the mma GEMV cannot take this product (None: it can); NOTE 2."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if not x.is_cuda or torch.version.hip:
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return "compute capability below 8.0 (no bf16 mma.sync)"
     if layout.kind != "gptq" or layout.bits != 4:
         return f"{layout.bits}-bit {layout.kind} (4-bit GPTQ order only)"
     if not 0 < m <= MMA_MAX_M:
@@ -115,6 +111,10 @@ def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwei
         return f"N = {n}, K = {k}, group {layout.group_size} (multiples of 32)"
     if not (qweight.is_contiguous() and scales.is_contiguous() and qweight.shape[1] == n):
         return "qweight / scales not contiguous [*, N]"
+    if not x.is_cuda or torch.version.hip:
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "compute capability below 8.0 (no bf16 mma.sync)"
     return None
 
 
