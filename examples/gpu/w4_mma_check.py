@@ -27,15 +27,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  # noqa: E402
 
-BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2)]
-# (cols, zfold, pdl, stages): w4a16_mma.cu NOTE 1, 2, 4, 5
-FEATURES = [(4, 1, 1, 0), (4, 1, 1, 4), (4, 1, 1, 8)]  # earlier passes also swept (4, 0, 1, 0), (2, 1, 1, 0), (4, 1, 0, 0)
-# (warps, iters, unroll) for the cp.async ring (unroll unused there)
-RING_BLOCKS = [(4, 16, 1), (4, 8, 1), (4, 32, 1), (2, 16, 1), (2, 32, 1), (4, 4, 1), (8, 8, 1)]
+BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2), (4, 8, 1), (4, 16, 1),
+          (4, 32, 2)]
+# (cols, zfold, pdl): w4a16_mma.cu NOTE 1, NOTE 2, NOTE 4
+FEATURES = [(c, z, d) for c in (4, 2) for z in (1, 0) for d in (1, 0)]
 
 
 def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int,
-              features: tuple[int, int, int, int] = (4, 1, 1, 0)) -> dict[str, Any]:
+              features: tuple[int, int, int] = (4, 1, 1)) -> dict[str, Any]:
     from pagedllm.plugins.quantization.w4a16_layout import (
         PackedLayout,
         dequantize,
@@ -58,8 +57,8 @@ def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offse
         rec["refused"] = reason
         return rec
     ref = x.float() @ dequantize(layout, qw, qz, s, dtype=torch.float32)
-    cols, zfold, pdl, stages = features
-    blocks = mma_blocks(layout, m, n, k)._replace(cols=cols, zfold=zfold, pdl=pdl, stages=stages)
+    cols, zfold, pdl = features
+    blocks = mma_blocks(layout, m, n, k)._replace(cols=cols, zfold=zfold, pdl=pdl)
     y = w4a16_mma_gemv(x, layout, qw, qz, s, n, blocks)
     rec["blocks"] = list(blocks)
     rec["err"] = float((y.float() - ref).abs().max() / ref.abs().max())
@@ -113,7 +112,7 @@ def main() -> None:
         grid = [default] if args.skip_grid else [default] + [g for g in BLOCKS if g != default]
         rec["mma"] = {}
         for feat in FEATURES:
-            for blocks3 in (RING_BLOCKS if feat[3] else grid):
+            for blocks3 in grid:
                 if k // 32 % blocks3[2] or blocks3[1] % blocks3[2]:
                     continue
                 blocks = MmaBlocks(*blocks3, *feat)
@@ -125,12 +124,11 @@ def main() -> None:
                     rec["mma"][key] = f"{type(exc).__name__}: {exc}"[:200]
         rec["by_features"] = {}
         for feat in FEATURES:
-            got = {b: v for b, v in rec["mma"].items()
-                   if isinstance(v, float) and b.endswith(f"{feat[0]}, {feat[1]}, {feat[2]}, {feat[3]})")}
+            got = {b: v for b, v in rec["mma"].items() if isinstance(v, float) and b.endswith(f"{feat[0]}, {feat[1]}, {feat[2]})")}
             if got:
                 best_b = min(got, key=got.__getitem__)
                 rec["by_features"][str(feat)] = (best_b, got[best_b])
-        print(f"{name}: best per (cols, zfold, pdl, stages): " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
+        print(f"{name}: best per (cols, zfold, pdl): " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
               flush=True)
         default = str(tuple(mma_blocks(lay, 1, n, k, x1.device)))
         times = {b: v for b, v in rec["mma"].items() if isinstance(v, float)}

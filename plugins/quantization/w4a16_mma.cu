@@ -141,52 +141,6 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
-// NOTE 3: the block's warps meet in shared memory ([warp][m][column]), then y or the split's partials.
-__device__ __forceinline__ void store_result(float (&out)[COLS][4], u16* __restrict__ y, float* __restrict__ part,
-                                             u32* __restrict__ tickets, int M, int N, int nb, int t, int g,
-                                             int warp) {
-    const int split = blockIdx.y, splits = gridDim.y;
-    __shared__ float red[WARPS][8][CB];
-#pragma unroll
-    for (int j = 0; j < COLS; ++j) {
-        const int m0 = 2 * t, m1 = 2 * t + 1, c0 = COLS * g + j, c1 = CB / 2 + COLS * g + j;
-        if (m0 < M) {
-            red[warp][m0][c0] = out[j][0];
-            red[warp][m0][c1] = out[j][2];
-        }
-        if (m1 < M) {
-            red[warp][m1][c0] = out[j][1];
-            red[warp][m1][c1] = out[j][3];
-        }
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
-        const int m = idx / CB, c = idx % CB;
-        float v = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
-        if (splits == 1)
-            y[(size_t)m * N + nb + c] = float_to_half(v);
-        else
-            part[((size_t)split * M + m) * N + nb + c] = v;
-    }
-    if (splits == 1) return;
-    __threadfence();  // every partial of this block visible before its ticket
-    __syncthreads();
-    __shared__ bool last;
-    if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1u) == (u32)(splits - 1);
-    __syncthreads();
-    if (!last) return;
-    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
-        const int m = idx / CB, c = idx % CB;
-        float v = 0.f;
-        for (int s = 0; s < splits; ++s) v += __ldcg(part + ((size_t)s * M + m) * N + nb + c);
-        y[(size_t)m * N + nb + c] = float_to_half(v);
-    }
-    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
-}
-
-#if !STAGES
 struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
     wvec wa[UNROLL], wb[UNROLL];
     uint4 xv[UNROLL];
@@ -205,7 +159,8 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nb = blockIdx.x * CB;
-    const int it0 = (blockIdx.y * WARPS + warp) * ITERS;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const int it0 = (split * WARPS + warp) * ITERS;
     const int it1 = min(it0 + ITERS, total_iters);
 
     const u32* wp = qw + (size_t)t * N + nb + COLS * g;  // word row 4i + t, columns nb + COLS g ..
@@ -314,131 +269,43 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         }
     }
 
-    store_result(out, y, part, tickets, M, N, nb, t, g, warp);
-}
-#endif  // !STAGES
-
-#if STAGES
-// NOTE 5 (STAGES > 0): the words stream through a per-warp ring of STAGES iterations in shared memory, filled
-// by cp.async (16 bytes per lane and load, completion per thread: each lane reads back only what it copied,
-// so no barrier), STAGES - 1 iterations ahead of the math. The bytes in flight then cost shared memory, not
-// registers (the register batch of the kernel above held 4 KB per warp with 124 registers and waited for all
-// of it before any math). COLS 4, ZFOLD 1, UNROLL 1; the group's zero words and scales for the next group are
-// loaded into registers when a group starts, a whole group ahead.
-__device__ __forceinline__ void cp_async16(u32 smem, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(g));
-}
-
-__device__ __forceinline__ uint4 lds128(u32 smem) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(smem));
-    return v;
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32* __restrict__ qz,
-               const u16* __restrict__ sc, u16* __restrict__ y, float* __restrict__ part,
-               u32* __restrict__ tickets, int M, int N, int stride_x, int stride_qz, int stride_s,
-               int total_iters, int group_iters, int zero_offset) {
-#if PDL
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int nb = blockIdx.x * CB;
-    const int it0 = (blockIdx.y * WARPS + warp) * ITERS;
-    const int n_it = max(min(it0 + ITERS, total_iters) - it0, 0);
-
-    const u32* wp = qw + (size_t)t * N + nb + COLS * g;
-    const bool has_row = g < M;
-    const u16* xp = x + (size_t)(has_row ? g : 0) * stride_x + 8 * t;
-    const u32* zp = qz + ((nb + COLS * g) >> 3);
-    const u16* sp = sc + nb + COLS * g;
-    const int zshift = 4 * ((COLS * g) & 7);
-
-    __shared__ uint4 ring[WARPS][STAGES][2][32];  // [warp][stage][A rows g | g + 8][lane]
-    const u32 base = (u32)__cvta_generic_to_shared(&ring[warp][0][0][lane]);
-    constexpr u32 STAGE_BYTES = 2 * 32 * 16, B_BYTES = 32 * 16;
-    auto issue = [&](int i) {  // iteration it0 + i into stage i % STAGES; always one group per call
-        if (i < n_it) {
-            const u32* p = wp + (size_t)(it0 + i) * 4 * N;
-            const u32 dst = base + (i % STAGES) * STAGE_BYTES;
-            cp_async16(dst, p);
-            cp_async16(dst + B_BYTES, p + CB / 2);
+    // NOTE 3: the block's warps meet in shared memory ([warp][m][column]).
+    __shared__ float red[WARPS][8][CB];
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) {
+        const int m0 = 2 * t, m1 = 2 * t + 1, c0 = COLS * g + j, c1 = CB / 2 + COLS * g + j;
+        if (m0 < M) {
+            red[warp][m0][c0] = out[j][0];
+            red[warp][m0][c1] = out[j][2];
         }
-        asm volatile("cp.async.commit_group;");
-    };
-    u32 nza = 0, nzb = 0;  // the next group's raw zero words and scales (prefetched a group ahead)
-    svec nsa{}, nsb{};
-    auto load_params = [&](int grp) {
-        nza = __ldg(zp + (size_t)grp * stride_qz);
-        nzb = __ldg(zp + (size_t)grp * stride_qz + COLS);
-        nsa = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s));
-        nsb = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s + CB / 2));
-    };
-    if (n_it > 0) load_params(it0 / group_iters);
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) issue(i);
-#if PDL  // NOTE 4
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    uint4 x_next = make_uint4(0, 0, 0, 0);
-    if (n_it > 0 && has_row) x_next = __ldg(reinterpret_cast<const uint4*>(xp + it0 * 32));
-
-    float out[COLS][4];
-    float acc[COLS][4];
-#pragma unroll
-    for (int j = 0; j < COLS; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) out[j][r] = acc[j][r] = 0.f;
-    float xs[4] = {0.f, 0.f, 0.f, 0.f};
-    u32 cza = 0, czb = 0;
-    svec csa{}, csb{};
-
-    for (int i = 0; i < n_it; ++i) {
-        const int it = it0 + i;
-        const uint4 xv = x_next;
-        if (i + 1 < n_it && has_row) x_next = __ldg(reinterpret_cast<const uint4*>(xp + (it + 1) * 32));
-        if (i == 0 || it % group_iters == 0) {  // a group starts: take its parameters, fetch the next's
-            cza = nza;
-            czb = nzb;
-            csa = nsa;
-            csb = nsb;
-            const int next = it / group_iters + 1;
-            if (next * group_iters < it0 + n_it) load_params(next);
-        }
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
-        const u32 src = base + (i % STAGES) * STAGE_BYTES;
-        const uint4 wa = lds128(src), wb = lds128(src + B_BYTES);
-        issue(i + STAGES);  // the stage just read takes the iteration STAGES ahead
-        mma(xs, ONE2, ONE2, ONE2, ONE2, xv.x, xv.y);
-        mma(xs, ONE2, ONE2, ONE2, ONE2, xv.z, xv.w);
-#pragma unroll
-        for (int j = 0; j < COLS; ++j) {
-            const u32 a = WGET(wa, j), b = WGET(wb, j);
-            const u32 ah = a >> 4, bh = b >> 4;
-            mma(acc[j], pair(a, ah, SEL0, 0), pair(b, bh, SEL0, 0), pair(a, ah, SEL1, 0), pair(b, bh, SEL1, 0),
-                xv.x, xv.y);
-            mma(acc[j], pair(a, ah, SEL2, 0), pair(b, bh, SEL2, 0), pair(a, ah, SEL3, 0), pair(b, bh, SEL3, 0),
-                xv.z, xv.w);
-        }
-        if ((it + 1) % group_iters == 0 || i + 1 == n_it) {  // the group ends: zero point, scale, keep
-#pragma unroll
-            for (int j = 0; j < COLS; ++j) {
-                const float sa = half_to_float(SGET(csa, j)), sb = half_to_float(SGET(csb, j));
-                const float za = BASE + (float)(((cza >> (zshift + 4 * j)) & 0xFu) + zero_offset);
-                const float zb = BASE + (float)(((czb >> (zshift + 4 * j)) & 0xFu) + zero_offset);
-                out[j][0] += sa * (acc[j][0] - za * xs[0]);
-                out[j][1] += sa * (acc[j][1] - za * xs[1]);
-                out[j][2] += sb * (acc[j][2] - zb * xs[2]);
-                out[j][3] += sb * (acc[j][3] - zb * xs[3]);
-                acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-            }
-            xs[0] = xs[1] = xs[2] = xs[3] = 0.f;
+        if (m1 < M) {
+            red[warp][m1][c0] = out[j][1];
+            red[warp][m1][c1] = out[j][3];
         }
     }
-    asm volatile("cp.async.wait_group 0;");
-    store_result(out, y, part, tickets, M, N, nb, t, g, warp);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
+        const int m = idx / CB, c = idx % CB;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
+        if (splits == 1)
+            y[(size_t)m * N + nb + c] = float_to_half(v);
+        else
+            part[((size_t)split * M + m) * N + nb + c] = v;
+    }
+    if (splits == 1) return;
+    __threadfence();  // every partial of this block visible before its ticket
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1u) == (u32)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
+        const int m = idx / CB, c = idx % CB;
+        float v = 0.f;
+        for (int s = 0; s < splits; ++s) v += __ldcg(part + ((size_t)s * M + m) * N + nb + c);
+        y[(size_t)m * N + nb + c] = float_to_half(v);
+    }
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }
-#endif  // STAGES
-

@@ -49,12 +49,6 @@ class MmaBlocks(NamedTuple):
     cols: int = 4  # 4 or 2 columns per lane: a block owns 16 * cols outputs (w4a16_mma.cu NOTE 1)
     zfold: int = 1  # 1: the zero point subtracted after the mma (w4a16_mma.cu NOTE 2)
     pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 4; sm_90+)
-    stages: int = 0  # > 0: the words stream through a cp.async ring of this many iterations (NOTE 5 there)
-
-
-def max_stages(warps: int) -> int:
-    """The deepest cp.async ring that fits 48 KB of static shared memory beside the warps' reduction buffer."""
-    return (48 * 1024 - warps * 8 * 64 * 4 - 16) // (warps * 1024)
 
 
 @functools.cache
@@ -97,9 +91,9 @@ def _env_knobs() -> dict[str, int]:
     """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "stages"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold"})
     if unknown:
-        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, stages)")
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold)")
     return {k: int(v) for k, v in knobs.items()}
 
 
@@ -157,11 +151,8 @@ def _warn_once(message: str) -> None:
 
 
 def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
-    if blocks.stages:  # the ring kernel: 4 columns per lane, the zero point after the mma, one iteration a step
-        blocks = blocks._replace(cols=4, zfold=1, unroll=1, stages=min(blocks.stages, max_stages(blocks.warps)))
     return (("COLS", blocks.cols), ("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters),
-            ("PDL", blocks.pdl), ("STAGES", blocks.stages), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps),
-            ("ZFOLD", blocks.zfold))
+            ("PDL", blocks.pdl), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
 
 def w4a16_mma_gemv(
@@ -184,8 +175,6 @@ def w4a16_mma_gemv(
     m = flat.shape[0]
     b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
-    if b.stages:
-        b = b._replace(cols=4)
     assert n % (16 * b.cols) == 0, (n, b)
     kernel = _kernel_or_error(x.device, _defines(x.dtype, b))
     if isinstance(kernel, Exception):
