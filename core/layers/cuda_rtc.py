@@ -93,18 +93,20 @@ def device_arch(device: Any) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-_KERNELS: dict[tuple[str, str, tuple[tuple[str, int], ...], str], Any] = {}
+_KERNELS: dict[tuple[str, str, tuple[tuple[str, int], ...], str, int], Any] = {}
 
 
 def load_kernel(source: str, name: str, device: Any, defines: dict[str, int] | None = None) -> Any:
-    """`name` from `source` compiled for `device` and loaded there (cached per source, defines and arch).
+    """`name` from `source` compiled for `device` and loaded there (cached per source, defines and device: a
+    loaded function belongs to its device's context).
 
     Launch it with `launch` (NOTE 2)."""
     import torch
     from torch.cuda._utils import _cuda_load_module
 
     arch = device_arch(device)
-    key = (source, name, tuple(sorted((defines or {}).items())), arch)
+    index = torch.device(device).index
+    key = (source, name, tuple(sorted((defines or {}).items())), arch, torch.cuda.current_device() if index is None else index)
     kernel = _KERNELS.get(key)
     if kernel is None:
         cubin = compile_cubin(source, name, arch, defines)

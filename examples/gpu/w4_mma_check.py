@@ -77,16 +77,16 @@ def main() -> None:
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "speed": []}
     bad = []
-    for (n, k), m, dtype, group, zo in [
-        ((192, 256), m, dt, g, zo) for m in (1, 2, 3, 5, 8) for dt in (torch.bfloat16, torch.float16)
-        for g, zo in ((128, 1), (32, 0), (-1, 1))
-    ] + [(shape, m, torch.bfloat16, 128, 1) for shape in SHAPES_8B.values() for m in (1, 4, 8)]:
-      for feat in FEATURES if (n, k) == (192, 256) or m == 1 else FEATURES[:1]:
-        rec = check_one(n, k, m, dtype, group, zo, feat)
-        out["checks"].append(rec)
-        bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
-        if "refused" in rec or rec["err"] > bound or not rec["same_bits_twice"]:
-            bad.append(rec)
+    cases = [((192, 256), m, dt, g, zo) for m in (1, 2, 3, 5, 8) for dt in (torch.bfloat16, torch.float16)
+             for g, zo in ((128, 1), (32, 0), (-1, 1))]
+    cases += [(shape, m, torch.bfloat16, 128, 1) for shape in SHAPES_8B.values() for m in (1, 4, 8)]
+    for (n, k), m, dtype, group, zo in cases:
+        for feat in FEATURES if (n, k) == (192, 256) or m == 1 else FEATURES[:1]:
+            rec = check_one(n, k, m, dtype, group, zo, feat)
+            out["checks"].append(rec)
+            bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
+            if "refused" in rec or rec["err"] > bound or not rec["same_bits_twice"]:
+                bad.append(rec)
     print(f"checks: {len(out['checks'])}, failed {len(bad)}; max err bf16 "
           f"{max(r.get('err', 0) for r in out['checks'] if 'bfloat16' in r['dtype']):.2e}, fp16 "
           f"{max(r.get('err', 0) for r in out['checks'] if 'float16' in r['dtype'] and 'bfloat' not in r['dtype']):.2e}")

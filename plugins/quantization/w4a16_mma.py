@@ -1,26 +1,31 @@
 """W4A16 decode GEMV on tensor cores (w4a16_mma.cu), for M <= 8 activation rows of GPTQ-ordered 4-bit weights.
 
 The Triton GEMVs (w4a16_gemv.py, w4a16_gemv_tiled.py) spend one FP32 FMA per code and activation row plus the
-unpacking: 3.44 SASS instructions per code for the best of them (`mant`), which left it issue-bound at ~48 %
-of the H200's copy bandwidth (docs/perf-notes.md §14d). Here a code pair becomes a bfloat16 / float16 pair in
-three instructions (PRMT, LOP3, HADD2) and goes straight into an mma.m16n8k16 fragment, whose eight columns
-take up to eight activation rows at the same cost: ~1.75 instructions per code at any M <= 8 (sm_90a SASS,
-counted offline from the NVRTC cubin). Triton cannot place values in mma fragments, so this one kernel is CUDA C,
+unpacking (3.44 SASS instructions per code for the best of them, `mant`). Here a code pair becomes a bfloat16 /
+float16 pair in two instructions (PRMT, LOP3) and goes straight into an mma.m16n8k16 fragment, whose eight
+columns take up to eight activation rows at nearly the cost of one; the zero point and the scale are applied
+to the fp32 sums once per group. Triton cannot place values in mma fragments, so this one kernel is CUDA C,
 compiled at first use by NVRTC (pagedllm.layers.cuda_rtc). The weights stay in the checkpoint's GPTQ order:
 no repacking (w4a16_mma.cu NOTE 1).
 
-    grid (N / 64, splits)       block: WARPS warps, 64 output columns, WARPS x ITERS iterations of 32 inputs
-    warp                        ITERS iterations; each: two 16-byte word loads + one of x per lane, 8 mma
-    block -> y                  warps summed in shared memory; splits > 1: float32 partials + a ticket per
-                                column block, the last block sums them in order (deterministic, graph safe)
+    grid (N / (16 cols), splits)   block: WARPS warps, 16 cols outputs, WARPS x ITERS iterations of 32 inputs
+    warp                           ITERS iterations; each: two (4 x cols)-byte word loads + one 16-byte load of
+                                   x per lane, 2 cols + 2 mma
+    block -> y                     warps summed in shared memory; splits > 1: float32 partials + a ticket per
+                                   column block, the last block sums them in order (deterministic, graph safe)
 
-NOTE 1 (sizes): ITERS is picked so that about 16 warps per SM stream at once (132 SMs); UNROLL (iterations
-whose loads are in flight together) divides the group's iterations, so a group's zero points and scales are
-loaded once per group. `blocks=` overrides (the H200 sweep, examples/gpu/w4_gemv_sweep.py --variants mma).
+Measured on the H200 (docs/benchmarks.md, ninth pass; perf-notes §15a): 51.4 µs per 8B layer at M = 1 against
+the Triton GEMV's 53.6, and 59.6 µs at M = 8 against its 130.7 at M = 4; GPTQ / AWQ single stream 1.58x bf16.
+The kernel has half the Triton GEMV's instructions per code but streams at the same ~2.6 TB/s: it waits on
+memory with ~14 warps per SM (124 registers), not on issue slots.
+
+NOTE 1 (sizes): the swept blocks for the Llama-3.1-8B shapes, else ITERS picked so that about 16 warps per SM
+stream at once (132 SMs); UNROLL (iterations whose loads are in flight together) divides the group's
+iterations, so a group's zero points and scales are loaded once per UNROLL run. `blocks=` overrides, and
+$PAGEDLLM_W4A16_MMA (pdl, cols, zfold) changes the defaults for A/B runs (examples/gpu/w4_mma_check.py sweeps).
 NOTE 2 (when it runs): CUDA devices of compute capability >= 8.0 (mma.sync bf16), 4-bit GPTQ order (AWQ is
-repacked into it at load), groups of a multiple of 32 inputs, N a multiple of 64, 16-bit activations with
-scales of the same dtype, NVRTC found; `mma_reason` says why not, and w4a16_gemv falls back to the Triton
-GEMVs.
+repacked into it at load), N, K and the group a multiple of 32, 16-bit activations with scales of the same
+dtype, NVRTC found; `mma_reason` says why not, and w4a16_gemv falls back to the Triton GEMVs.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ def _unroll(layout: PackedLayout, k: int) -> int:
 
 
 # (N, K) -> (warps, iters, unroll) at M = 1: the H200 sweep's best per Llama-3.1-8B shape (group 128; `python
-# examples/gpu/w4_mma_check.py`, 2026-11-30 05:45 UTC, docs/benchmarks.md). Other shapes use the rule below.
+# examples/gpu/w4_mma_check.py`, 2026-11-30 05:45 and 05:53 UTC, docs/benchmarks.md). Other shapes: the rule.
 _SWEPT = {(6144, 4096): (4, 8, 4), (4096, 4096): (8, 4, 2), (28672, 4096): (4, 16, 4), (4096, 14336): (4, 16, 4)}
 
 
@@ -74,7 +79,7 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.devic
     pdl = knobs.get("pdl", int(device is not None and torch.cuda.get_device_capability(device) >= (9, 0)))
     swept = _SWEPT.get((n, k))
     if swept is not None and (layout.group_size // 32) % swept[2] == 0:
-        return MmaBlocks(*swept, pdl=pdl)._replace(**{k: v for k, v in knobs.items() if k != "pdl"})
+        return MmaBlocks(*swept, pdl=pdl)._replace(**{name: v for name, v in knobs.items() if name != "pdl"})
     unroll = _unroll(layout, k)
     total_iters = k // 32
     cols = 4 if n % 64 == 0 else 2
@@ -83,7 +88,7 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.devic
     while iters < 64 and iters * 1.5 < want:
         iters *= 2
     iters = max(iters, unroll)
-    return MmaBlocks(4, iters, unroll, cols, pdl=pdl)._replace(**{k: v for k, v in knobs.items() if k != "pdl"})
+    return MmaBlocks(4, iters, unroll, cols, pdl=pdl)._replace(**{name: v for name, v in knobs.items() if name != "pdl"})
 
 
 @functools.cache
