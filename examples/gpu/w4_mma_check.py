@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--skip-grid", action="store_true", help="only the default blocks in stage 2")
     args = ap.parse_args()
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, w4a16_mma_gemv, w4a16_mma_rows
 
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "speed": []}
@@ -94,7 +94,9 @@ def main() -> None:
         print("FAILED", r)
 
     timer = Timer(False)
-    layer = {"bf16": 0.0, "mant": 0.0, "mma_default": 0.0, "mma_best": 0.0}
+    layer = {"bf16": 0.0, "mant": 0.0, "mma_default": 0.0, "mma_best": 0.0, "mma_m16": 0.0, "gemm_m16": 0.0}
+    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
+
     for name, (n, k) in SHAPES_8B.items():
         packed_bytes = n * k // 2 + n * k // GROUP * 5 // 2
         w = make_weights(n, k, "cuda", torch.bfloat16, math.ceil(ROTATE_BYTES / packed_bytes))
@@ -134,21 +136,27 @@ def main() -> None:
         times = {b: v for b, v in rec["mma"].items() if isinstance(v, float)}
         best = min(times, key=times.__getitem__)
         rec["mma_default_us"], rec["mma_best"], rec["mma_best_us"] = times[default], best, times[best]
-        for m in (2, 4, 8):
+        for m in (2, 4, 8, 16):
             xm = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             rec[f"mma_m{m}_us"] = timer.us_per_call(
-                [functools.partial(w4a16_mma_gemv, xm, lay, *st, n) for st in w["sets"]])
+                [functools.partial(w4a16_mma_rows, xm, lay, *st, n) for st in w["sets"]])
             rec[f"mant_m{m}_us"] = timer.us_per_call(
                 [functools.partial(w4a16_gemv, xm, lay, *st, n) for st in w["sets"][:4]]) if m <= 4 else None
+        x16 = torch.randn(16, k, device="cuda").to(torch.bfloat16)
+        rec["gemm_m16_us"] = timer.us_per_call(  # the route mma_rows replaces at 9..16 rows
+            [functools.partial(w4a16_gemm, x16, lay, *st, None, n) for st in w["sets"]])
         rec["mma_tb_s"] = w["bytes"] / rec["mma_best_us"] / 1e6
         out["speed"].append(rec)
         layer["bf16"] += rec["bf16_us"]
         layer["mant"] += rec["mant_us"]
         layer["mma_default"] += rec["mma_default_us"]
         layer["mma_best"] += rec["mma_best_us"]
+        layer["mma_m16"] += rec["mma_m16_us"]
+        layer["gemm_m16"] += rec["gemm_m16_us"]
         print(f"{name:8s} bf16 {rec['bf16_us']:6.1f}  mant {rec['mant_us']:6.1f}  mma default {default} "
               f"{rec['mma_default_us']:6.1f}  best {best} {rec['mma_best_us']:6.1f} ({rec['mma_tb_s']:.2f} TB/s)  "
-              f"M=2/4/8 {rec['mma_m2_us']:.1f}/{rec['mma_m4_us']:.1f}/{rec['mma_m8_us']:.1f}", flush=True)
+              f"M=2/4/8/16 {rec['mma_m2_us']:.1f}/{rec['mma_m4_us']:.1f}/{rec['mma_m8_us']:.1f}/{rec['mma_m16_us']:.1f}"
+              f" (GEMM at 16: {rec['gemm_m16_us']:.1f})", flush=True)
         del w
         torch.cuda.empty_cache()
     out["layer_us"] = layer

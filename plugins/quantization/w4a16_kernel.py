@@ -22,6 +22,9 @@ NOTE 5: w4a16_matmul picks the kernel by rows:
 
     M <= GEMV_MAX_M (8)          the GEMV, w4a16_gemv.py: this GEMM pads M to 16 rows for tl.dot and reads far
                                  below the 4-bit stream's bandwidth there (docs/benchmarks.md)
+    8 < M <= 16, 4-bit           the tensor-core GEMV (w4a16_mma.py) once per 8 rows where it runs: on the
+                                 H200 an 8B layer is 59.6 us per 8 rows (so ~119 at 16) against this GEMM's
+                                 ~197 at any M <= 16 (its tile pads to 16 rows)
     8 < M < DEQUANT_MIN_M (128)  this GEMM
     M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16_dequant.py: at 2048 rows this
                                  GEMM is 4.2x bf16's time (the unpacking competes with tl.dot for issue slots)
@@ -36,6 +39,8 @@ import triton.language as tl
 from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M, w4a16_dequant_matmul
 from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+
+MMA_ROWS_MAX_M = 16  # up to here 4-bit products take the tensor-core GEMV in 8-row slices (NOTE 5)
 
 
 @triton.jit
@@ -193,16 +198,25 @@ def w4a16_matmul(
     route = w4a16_route(layout, m, g_idx)
     if route == "gemv":
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
+    if route == "mma_rows":
+        from pagedllm.plugins.quantization import w4a16_mma as mma
+
+        if mma.usable(layout, x.reshape(-1, x.shape[-1])[: mma.MMA_MAX_M], scales, qweight, n):
+            return mma.w4a16_mma_rows(x, layout, qweight, qzeros, scales, n)
+        return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
     if route == "dequant":
         return w4a16_dequant_matmul(x, layout, qweight, qzeros, scales, g_idx, n)
     return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
 
 
 def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None) -> str:
-    """Which kernel w4a16_matmul runs for `m` rows (NOTE 5): "gemv", "gemm" or "dequant" (+ cuBLAS).
+    """Which kernel w4a16_matmul runs for `m` rows (NOTE 5): "gemv", "mma_rows" (the tensor-core GEMV on
+    8-row slices where it runs, else the GEMM), "gemm" or "dequant" (+ cuBLAS).
 
     Each is CUDA-graph safe: launches and caching-allocator tensors of static shapes, no host sync (the GEMV's
     split-K tickets are allocated at the eager warm-up before capture and reset by the kernel itself)."""
     if m > 0 and gemv_reason(layout, m, g_idx) is None:
         return "gemv"
+    if m <= MMA_ROWS_MAX_M and g_idx is None and layout.kind == "gptq" and layout.bits == 4:
+        return "mma_rows"
     return "dequant" if m >= DEQUANT_MIN_M else "gemm"

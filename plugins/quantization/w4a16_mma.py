@@ -168,8 +168,10 @@ def w4a16_mma_gemv(
     scales: torch.Tensor,
     n: int,
     blocks: MmaBlocks | tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None."""
+    """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None. `out`: a
+    contiguous [M, N] tensor of x's dtype to write instead of a new one."""
     from pagedllm.layers.cuda_rtc import launch
     from pagedllm.layers.split_k import tickets
 
@@ -187,10 +189,30 @@ def w4a16_mma_gemv(
     total_iters = k // 32
     splits = -(-total_iters // (b.warps * b.iters))
     col_blocks = n // (16 * b.cols)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.is_contiguous() and y.dtype == x.dtype, (tuple(y.shape), m, n)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
     launch(kernel, (col_blocks, splits, 1), (b.warps * 32, 1, 1),
            [flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
             scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl))
     return y.reshape(*x.shape[:-1], n)
+
+
+def w4a16_mma_rows(
+    x: torch.Tensor,
+    layout: PackedLayout,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+) -> torch.Tensor:
+    """w4a16_mma_gemv over any number of rows, MMA_MAX_M at a time, into one output (w4a16_kernel NOTE 5 sends
+    9..16 rows here: each launch costs about what one row does)."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    y = torch.empty(flat.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, flat.shape[0], MMA_MAX_M):
+        w4a16_mma_gemv(flat[r0 : r0 + MMA_MAX_M], layout, qweight, qzeros, scales, n, out=y[r0 : r0 + MMA_MAX_M])
+    return y.reshape(*x.shape[:-1], n)
+
