@@ -53,6 +53,14 @@ def test_unknown_plugin_name_is_explained(tiny_root: Path) -> None:
         LLM(model_dir, attention_backend="flashy")
 
 
+def test_max_model_len_beyond_the_models_positions_is_refused_at_startup(tiny_root: Path) -> None:
+    """Not an IndexError in the rotary table mid-request (the tiny Llama has 512 positions)."""
+    model_dir = make_tiny_model("llama", tiny_root)
+    with pytest.raises(ValueError, match="max_model_len 2048 is greater than the model's max_position_embeddings 512"):
+        LLM(model_dir, max_model_len=2048)
+    assert LLM(model_dir, max_model_len=512).engine.parts.max_model_len == 512
+
+
 def test_missing_model_path_names_it(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(Exception, match=str(missing)):

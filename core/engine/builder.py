@@ -230,7 +230,15 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         config.scheduler.max_num_seqs, device, group_block_sizes,
         config.max_model_len or getattr(hf_config, "max_position_embeddings", None)))
     num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
-    model_max = config.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 2048
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len and trained and config.max_model_len > trained:
+        # NOTE: refused here, as vLLM does, rather than failing mid-request: the rotary tables (and what the
+        # model was trained on) end at max_position_embeddings, so a longer request would index past them.
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is greater than the model's max_position_embeddings "
+            f"{trained}; lower max_model_len (or use a checkpoint whose config allows the length)"
+        )
+    model_max = config.max_model_len or trained or 2048
     # A request alone must always fit in the cache, or it could wait forever. Window-aware: a sliding-window
     # group holds a bounded number of blocks per request whatever its length (kv_cache/capacity.py).
     capacity = KVCapacity(layout, num_blocks, config.scheduler.max_num_batched_tokens)
