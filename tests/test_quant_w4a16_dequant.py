@@ -163,7 +163,8 @@ def test_the_cases_reach_both_group_paths() -> None:
 
 def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """GEMV up to GEMV_MAX_M rows, the GEMM up to DEQUANT_MIN_M - 1, dequantize + cuBLAS from DEQUANT_MIN_M
-    (kernels replaced by stubs: no Triton launch); act-order g_idx skips the GEMV but not the large-M path."""
+    (kernels replaced by stubs: no Triton launch); act-order g_idx skips the GEMV but not the large-M path.
+    Off CUDA the 9-16 row route (the tensor-core GEMV in slices) falls back to the GEMM."""
     import torch
 
     from pagedllm.plugins.quantization import w4a16_kernel
@@ -177,7 +178,7 @@ def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     lay = PackedLayout("gptq", 4, 128, 1)
     g_idx = torch.zeros(256, dtype=torch.int32)
     expected = []
-    for m, g in [(1, None), (GEMV_MAX_M, None), (GEMV_MAX_M + 1, None), (DEQUANT_MIN_M - 1, None),
+    for m, g in [(1, None), (GEMV_MAX_M, None), (GEMV_MAX_M + 1, None), (16, None), (DEQUANT_MIN_M - 1, None),
                  (DEQUANT_MIN_M, None), (8192, None), (1, g_idx), (DEQUANT_MIN_M, g_idx)]:
         w4a16_kernel.w4a16_matmul(torch.zeros(m, 256), lay, None, None, None, g, 64)  # type: ignore[arg-type]
         expected.append("w4a16_gemv" if m <= GEMV_MAX_M and g is None else

@@ -201,7 +201,7 @@ def w4a16_matmul(
     if route == "mma_rows":
         from pagedllm.plugins.quantization import w4a16_mma as mma
 
-        if mma.usable(layout, x.reshape(-1, x.shape[-1])[: mma.MMA_MAX_M], scales, qweight, n):
+        if x.is_cuda and mma.usable(layout, x.reshape(-1, x.shape[-1])[: mma.MMA_MAX_M], scales, qweight, n):
             return mma.w4a16_mma_rows(x, layout, qweight, qzeros, scales, n)
         return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
     if route == "dequant":
