@@ -32,13 +32,24 @@ class RtcError(RuntimeError):
 
 
 def _candidates() -> list[str]:
+    """$PAGEDLLM_NVRTC, then sonames, then wheel folders; torch's own CUDA major first (a cubin from a newer
+    NVRTC may not load under the driver torch was built for)."""
+    import torch
+
+    majors = [13, 12]
+    if torch.version.cuda:
+        own = int(torch.version.cuda.split(".")[0])
+        majors = [own] + [m for m in majors if m != own]
     names = [os.environ.get("PAGEDLLM_NVRTC", "")]
-    names += [f"libnvrtc.so.{major}" for major in (13, 12)] + ["libnvrtc.so"]
-    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
-    for root in roots:
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True)
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")), reverse=True)
-    return [n for n in names if n and "builtins" not in n and ".alt." not in n]
+    names += [f"libnvrtc.so.{major}" for major in majors] + ["libnvrtc.so"]
+    found: list[str] = []
+    for root in [*site.getsitepackages(), site.getusersitepackages(), *sys.path]:
+        found += glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*"))
+    rank = {major: i for i, major in enumerate(majors)}
+    found.sort(key=lambda path: min((rank[m] for m in majors if path.endswith(f".so.{m}") or f".so.{m}." in path),
+                                    default=len(majors)))
+    names += found
+    return [n for n in dict.fromkeys(names) if n and "builtins" not in n and ".alt." not in n]
 
 
 @functools.cache
