@@ -141,6 +141,14 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     loader = sel.load()()
     info: LoadedModelInfo = loader.load_info(model_ref, config.tokenizer)
     hf_config = info.hf_config
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len and trained and config.max_model_len > trained:
+        # NOTE: refused before the weights load, as vLLM does, rather than failing mid-request: the rotary tables (and what the
+        # model was trained on) end at max_position_embeddings, so a longer request would index past them.
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is greater than the model's max_position_embeddings "
+            f"{trained}; lower max_model_len (or use a checkpoint whose config allows the length)"
+        )
 
     tp_size = config.parallel.tensor_parallel_size
     check_tensor_parallel(hf_config, tp_size)
@@ -228,16 +236,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     num_blocks = _num_blocks(config, layout, device, lambda: profile_activation_bytes(
         model, backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs, device, group_block_sizes,
-        config.max_model_len or getattr(hf_config, "max_position_embeddings", None)))
+        config.max_model_len or trained))
     num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
-    trained = getattr(hf_config, "max_position_embeddings", None)
-    if config.max_model_len and trained and config.max_model_len > trained:
-        # NOTE: refused here, as vLLM does, rather than failing mid-request: the rotary tables (and what the
-        # model was trained on) end at max_position_embeddings, so a longer request would index past them.
-        raise ValueError(
-            f"max_model_len {config.max_model_len} is greater than the model's max_position_embeddings "
-            f"{trained}; lower max_model_len (or use a checkpoint whose config allows the length)"
-        )
     model_max = config.max_model_len or trained or 2048
     # A request alone must always fit in the cache, or it could wait forever. Window-aware: a sliding-window
     # group holds a bounded number of blocks per request whatever its length (kv_cache/capacity.py).
