@@ -6,7 +6,8 @@
 // Defined by the host: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
 // whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
 // owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
-// PDL (NOTE 4).
+// PDL (NOTE 4), PREF (NOTE 5: iterations prefetched into L2 ahead of the loads; 0 off), PFLANE (1: per-lane
+// prefetch instructions instead of sm_90's bulk prefetch).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -36,6 +37,11 @@
 // NOTE 4 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
 // issues its first weight loads (the weights are not written by the kernel before it), and only then waits
 // for that kernel before reading x.
+// NOTE 5 (L2 prefetch): a warp keeps UNROLL iterations of words in registers; 124 registers leave ~14 warps
+// per SM, ~14 KB in flight per SM, short of what DRAM's latency asks (~30 KB). A prefetch into L2 holds no
+// register: the warp asks for its words PREF iterations ahead (sm_90: one cp.async.bulk.prefetch.L2 of a
+// word row's CB * 4 bytes by the lanes g = 0; else each lane's two 16-byte segments), so the loads that
+// follow wait on L2's latency rather than DRAM's.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -201,6 +207,23 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int u = 0; u < UNROLL; ++u)
             b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
     };
+#if PREF
+    // NOTE 5: iteration i's word rows 4i + t, columns nb .. nb + CB (t = lane, lanes 0..3)
+    auto prefetch = [&](int it) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (it + u >= it1) break;
+            const u32* p = wp + (size_t)(it + u) * 4 * N;
+#if __CUDA_ARCH__ >= 900 && !PFLANE
+            if (g == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(CB * 4) : "memory");
+#else
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(p) : "memory");
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(p + CB / 2) : "memory");
+#endif
+        }
+    };
+    for (int i = it0 + UNROLL; i < it0 + UNROLL + PREF; i += UNROLL) prefetch(i);
+#endif
     if (it0 < it1) load_w(cur, it0);
 #if PDL  // NOTE 4: the first weights are in flight before the kernel that writes x has finished
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -264,6 +287,9 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #endif
         }
         if (it + UNROLL < it1) {
+#if PREF
+            prefetch(it + UNROLL + PREF);
+#endif
             load_w(cur, it + UNROLL);
             load_x(cur, it + UNROLL);
         }

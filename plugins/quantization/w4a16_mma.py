@@ -54,6 +54,8 @@ class MmaBlocks(NamedTuple):
     cols: int = 4  # 4 or 2 columns per lane: a block owns 16 * cols outputs (w4a16_mma.cu NOTE 1)
     zfold: int = 1  # 1: the zero point subtracted after the mma (w4a16_mma.cu NOTE 2)
     pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 4; sm_90+)
+    pref: int = 0  # iterations prefetched into L2 ahead of the loads (w4a16_mma.cu NOTE 5; 0: none)
+    pflane: int = 0  # 1: per-lane prefetches instead of sm_90's bulk prefetch
 
 
 @functools.cache
@@ -96,9 +98,9 @@ def _env_knobs() -> dict[str, int]:
     """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "pref", "pflane"})
     if unknown:
-        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold)")
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, pref, pflane)")
     return {k: int(v) for k, v in knobs.items()}
 
 
@@ -157,7 +159,7 @@ def _warn_once(message: str) -> None:
 
 def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
     return (("COLS", blocks.cols), ("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters),
-            ("PDL", blocks.pdl), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
+            ("PDL", blocks.pdl), ("PFLANE", blocks.pflane), ("PREF", blocks.pref), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
 
 def w4a16_mma_gemv(
