@@ -7,7 +7,8 @@
 // whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
 // owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
 // PDL (NOTE 4), PREF (NOTE 5: iterations prefetched into L2 ahead of the loads; 0 off), PFLANE (1: per-lane
-// prefetch instructions instead of sm_90's bulk prefetch).
+// prefetch instructions instead of sm_90's bulk prefetch), PROBE (0; 1 / 2: measurement only, wrong results:
+// the loads without the math / the math without the loads).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -242,6 +243,13 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
             }
         }
 #endif
+#if PROBE == 1  // measurement only: the loads without the math
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < COLS; ++j) acc[j][0] += __uint_as_float((WGET(cur.wa[u], j) ^ WGET(cur.wb[u], j)) & 0x3FFFFFFFu);
+        if (false)
+#endif
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
 #if ZFOLD
@@ -289,6 +297,9 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         if (it + UNROLL < it1) {
 #if PREF
             prefetch(it + UNROLL + PREF);
+#endif
+#if PROBE == 2  // measurement only: the math without the loads (the first run's words again)
+            if (false)
 #endif
             load_w(cur, it + UNROLL);
             load_x(cur, it + UNROLL);

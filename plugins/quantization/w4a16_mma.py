@@ -56,6 +56,7 @@ class MmaBlocks(NamedTuple):
     pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 4; sm_90+)
     pref: int = 0  # iterations prefetched into L2 ahead of the loads (w4a16_mma.cu NOTE 5; 0: none)
     pflane: int = 0  # 1: per-lane prefetches instead of sm_90's bulk prefetch
+    probe: int = 0  # measurement only (w4a16_mma.cu): 1 the loads without the math, 2 the math without the loads
 
 
 @functools.cache
@@ -98,7 +99,7 @@ def _env_knobs() -> dict[str, int]:
     """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "pref", "pflane"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "pref", "pflane", "probe"})
     if unknown:
         raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, pref, pflane)")
     return {k: int(v) for k, v in knobs.items()}
@@ -159,7 +160,7 @@ def _warn_once(message: str) -> None:
 
 def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
     return (("COLS", blocks.cols), ("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters),
-            ("PDL", blocks.pdl), ("PFLANE", blocks.pflane), ("PREF", blocks.pref), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
+            ("PDL", blocks.pdl), ("PFLANE", blocks.pflane), ("PREF", blocks.pref), ("PROBE", blocks.probe), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
 
 def w4a16_mma_gemv(
