@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  # noqa: E402
 
 BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2), (4, 8, 1), (4, 16, 1),
-          (4, 32, 2)]
-# (cols, zfold, pdl[, pref, pflane, probe]): MmaBlocks' fields after the first three; --features picks others
+          (4, 32, 2), (4, 32, 4), (8, 8, 4), (8, 16, 4), (2, 16, 4), (2, 32, 4)]
+# (cols, zfold, pdl[, ring, probe]): MmaBlocks' fields after the first three; --features picks others
 FEATURES = [(c, z, d) for c in (4, 2) for z in (1, 0) for d in (1, 0)]
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="w4_mma.json")
     ap.add_argument("--skip-grid", action="store_true", help="only the default blocks in stage 2")
-    ap.add_argument("--features", default="", help='e.g. "4,1,1;4,1,1,0,0,1" (cols, zfold, pdl, pref, pflane, probe)')
+    ap.add_argument("--features", default="", help='e.g. "4,1,1;4,1,1,2;4,1,1,0,1" (cols, zfold, pdl, ring, probe)')
     args = ap.parse_args()
     features = [tuple(int(v) for v in f.split(",")) for f in args.features.split(";")] if args.features else FEATURES
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
@@ -83,7 +83,7 @@ def main() -> None:
              for g, zo in ((128, 1), (32, 0), (-1, 1))]
     cases += [(shape, m, torch.bfloat16, 128, 1) for shape in SHAPES_8B.values() for m in (1, 4, 8)]
     for (n, k), m, dtype, group, zo in cases:
-        checked = [f for f in features if len(f) < 6 or not f[5]]  # probes compute wrong results on purpose
+        checked = [f for f in features if len(f) < 5 or not f[4]]  # probes compute wrong results on purpose
         for feat in checked if (n, k) == (192, 256) or m == 1 else checked[:1]:
             rec = check_one(n, k, m, dtype, group, zo, feat)
             out["checks"].append(rec)
@@ -138,7 +138,7 @@ def main() -> None:
         print(f"{name}: best per features: " + "; ".join(f"{f} {v[1]:.1f}" for f, v in rec["by_features"].items()),
               flush=True)
         default = str(tuple(mma_blocks(lay, 1, n, k, x1.device)))
-        times = {b: v for b, v in rec["mma"].items() if isinstance(v, float) and not any(key_feat[b][5:6])}
+        times = {b: v for b, v in rec["mma"].items() if isinstance(v, float) and not any(key_feat[b][4:5])}
         best = min(times, key=times.__getitem__)
         rec["mma_default_us"], rec["mma_best"], rec["mma_best_us"] = times[default], best, times[best]
         for m in (2, 4, 8, 16):

@@ -6,9 +6,8 @@
 // Defined by the host: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
 // whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
 // owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
-// PDL (NOTE 4), PREF (NOTE 5: iterations prefetched into L2 ahead of the loads; 0 off), PFLANE (1: per-lane
-// prefetch instructions instead of sm_90's bulk prefetch), PROBE (0; 1 / 2: measurement only, wrong results:
-// the loads without the math / the math without the loads).
+// PDL (NOTE 4), RING (NOTE 5; 0: words in registers), PROBE (0; 1 / 2: measurement only, wrong results: the
+// loads without the math / the math without the loads).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -38,11 +37,13 @@
 // NOTE 4 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
 // issues its first weight loads (the weights are not written by the kernel before it), and only then waits
 // for that kernel before reading x.
-// NOTE 5 (L2 prefetch): a warp keeps UNROLL iterations of words in registers; 124 registers leave ~14 warps
-// per SM, ~14 KB in flight per SM, short of what DRAM's latency asks (~30 KB). A prefetch into L2 holds no
-// register: the warp asks for its words PREF iterations ahead (sm_90: one cp.async.bulk.prefetch.L2 of a
-// word row's CB * 4 bytes by the lanes g = 0; else each lane's two 16-byte segments), so the loads that
-// follow wait on L2's latency rather than DRAM's.
+// NOTE 5 (RING, words through shared memory): a warp that keeps its words in registers has UNROLL
+// iterations in flight only while it waits, none while it computes, and the math of a run takes about as long
+// as its loads (measured on the H200: gate_up loads alone 14.8 µs, math alone 15.7, both 23.4). With RING
+// stages each lane copies its own 16-byte segments with cp.async into its own slots of a per-warp ring,
+// RING - 1 runs ahead (words, zero words and scales), waits for the oldest run with cp.async.wait_group (a
+// lane reads only what it copied, so no barrier is needed) and computes it from shared memory while the
+// next runs are in flight. Shared memory: WARPS * RING * (2 UNROLL + 2) * 512 bytes, dynamic.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -148,6 +149,16 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
+#if RING
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+#define CP_ASYNC(bytes, kind, dst, src) \
+    asm volatile("cp.async." kind ".shared.global [%0], [%1], " #bytes ";" :: "r"(dst), "l"(src) : "memory")
+#endif
+
 struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
     wvec wa[UNROLL], wb[UNROLL];
     uint4 xv[UNROLL];
@@ -208,30 +219,60 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int u = 0; u < UNROLL; ++u)
             b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
     };
-#if PREF
-    // NOTE 5: iteration i's word rows 4i + t, columns nb .. nb + CB (t = lane, lanes 0..3)
-    auto prefetch = [&](int it) {
+#if RING  // NOTE 5
+    constexpr int STAGE = (2 * UNROLL + 2) * 32;  // uint4 per warp and stage: the words, then zero words, scales
+    extern __shared__ uint4 ring[];
+    const uint4* const mine = ring + (size_t)warp * RING * STAGE + lane;
+    const u32 mine_s = smem_addr(mine);
+    auto issue = [&](int stage, int it) {  // run `it` into `stage`; one commit group per run, empty past the end
+        if (it < it1) {
+            const u32 base = mine_s + stage * STAGE * 16;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const u32* p = wp + (size_t)(it + u) * 4 * N;
+                CP_ASYNC(16, "cg", base + 2 * u * 512, p);
+                CP_ASYNC(16, "cg", base + (2 * u + 1) * 512, p + CB / 2);
+            }
+            const int grp = it / group_iters;
+            const u32 meta = base + 2 * UNROLL * 512;
+            CP_ASYNC(4, "ca", meta, zp + (size_t)grp * stride_qz);
+            CP_ASYNC(4, "ca", meta + 4, zp + (size_t)grp * stride_qz + COLS);
+            CP_ASYNC(8, "ca", meta + 512, sp + (size_t)grp * stride_s);
+            CP_ASYNC(8, "ca", meta + 512 + 8, sp + (size_t)grp * stride_s + CB / 2);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto read_w = [&](Batch& b, int stage) {
+        const uint4* q = mine + stage * STAGE;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (it + u >= it1) break;
-            const u32* p = wp + (size_t)(it + u) * 4 * N;
-#if __CUDA_ARCH__ >= 900 && !PFLANE
-            if (g == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(CB * 4) : "memory");
-#else
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(p) : "memory");
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(p + CB / 2) : "memory");
-#endif
+            b.wa[u] = q[2 * u * 32];
+            b.wb[u] = q[(2 * u + 1) * 32];
         }
+        const uint4 m0 = q[2 * UNROLL * 32], m1 = q[(2 * UNROLL + 1) * 32];
+        b.za = m0.x;
+        b.zb = m0.y;
+        b.sa = make_uint2(m1.x, m1.y);
+        b.sb = make_uint2(m1.z, m1.w);
     };
-    for (int i = it0 + UNROLL; i < it0 + UNROLL + PREF; i += UNROLL) prefetch(i);
-#endif
+#pragma unroll
+    for (int s = 0; s < RING - 1; ++s) issue(s, it0 + s * UNROLL);
+    int stage = 0;
+#else
     if (it0 < it1) load_w(cur, it0);
+#endif
 #if PDL  // NOTE 4: the first weights are in flight before the kernel that writes x has finished
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     if (it0 < it1) load_x(cur, it0);
 
     for (int it = it0; it < it1; it += UNROLL) {
+#if RING
+        asm volatile("cp.async.wait_group %0;" :: "n"(RING - 2) : "memory");  // this lane's run `stage` is in
+        issue(stage == 0 ? RING - 1 : stage - 1, it + (RING - 1) * UNROLL);  // the slot read one run ago
+        read_w(cur, stage);
+        stage = stage == RING - 1 ? 0 : stage + 1;
+#endif
 #if !ZFOLD
         if (it == it0 || it % group_iters == 0) {  // a new group: its zero points
 #pragma unroll
@@ -295,29 +336,35 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #endif
         }
         if (it + UNROLL < it1) {
-#if PREF
-            prefetch(it + UNROLL + PREF);
-#endif
 #if PROBE == 2  // measurement only: the math without the loads (the first run's words again)
             if (false)
 #endif
+#if !RING
             load_w(cur, it + UNROLL);
+#endif
             load_x(cur, it + UNROLL);
         }
     }
 
     // NOTE 3: the block's warps meet in shared memory ([warp][m][column]).
+#if RING  // each warp's [8][CB] in its own ring, which it no longer reads (so no barrier before the writes)
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    static_assert(8 * CB * 4 <= RING * STAGE * 16, "a warp's partial sums fit its ring");
+#define RED(w, m, c) reinterpret_cast<float*>(ring + (w) * RING * STAGE)[(m) * CB + (c)]
+#else
     __shared__ float red[WARPS][8][CB];
+#define RED(w, m, c) red[w][m][c]
+#endif
 #pragma unroll
     for (int j = 0; j < COLS; ++j) {
         const int m0 = 2 * t, m1 = 2 * t + 1, c0 = COLS * g + j, c1 = CB / 2 + COLS * g + j;
         if (m0 < M) {
-            red[warp][m0][c0] = out[j][0];
-            red[warp][m0][c1] = out[j][2];
+            RED(warp, m0, c0) = out[j][0];
+            RED(warp, m0, c1) = out[j][2];
         }
         if (m1 < M) {
-            red[warp][m1][c0] = out[j][1];
-            red[warp][m1][c1] = out[j][3];
+            RED(warp, m1, c0) = out[j][1];
+            RED(warp, m1, c1) = out[j][3];
         }
     }
     __syncthreads();
@@ -325,7 +372,7 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         const int m = idx / CB, c = idx % CB;
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
+        for (int w = 0; w < WARPS; ++w) v += RED(w, m, c);
         if (splits == 1)
             y[(size_t)m * N + nb + c] = float_to_half(v);
         else
