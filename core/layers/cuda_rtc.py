@@ -148,7 +148,6 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_STATIC_SHARED_LIMIT = 48 * 1024
 _shared_opt_in: dict[int, int] = {}  # function handle -> dynamic shared memory bytes allowed so far
 
 
@@ -157,15 +156,16 @@ def launch(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
     """kernel(args) on the current stream; `pdl` launches it with programmatic stream serialization, so it may
     start before the kernel ahead of it ends (it must execute griddepcontrol.wait before reading that
     kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints. `shared_mem`:
-    dynamic shared memory bytes (past 48 KB the function is opted in first, once)."""
+    dynamic shared memory bytes (the function is opted in to them first, once)."""
     import torch
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
     lib = _get_gpu_runtime_library()
     func = kernel.func
-    if shared_mem > _STATIC_SHARED_LIMIT and _shared_opt_in.get(getattr(func, "value", None) or id(func), 0) < shared_mem:
+    handle = getattr(func, "value", None) or id(func)
+    if _shared_opt_in.get(handle, 0) < shared_mem:  # static + dynamic past 48 KB needs the opt-in
         _check_cuda(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem))
-        _shared_opt_in[getattr(func, "value", None) or id(func)] = shared_mem
+        _shared_opt_in[handle] = shared_mem
     keep: list[Any] = []
     for a in args:
         keep.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
