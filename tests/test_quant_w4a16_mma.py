@@ -44,13 +44,13 @@ def _sass_ops(cubin: bytes, tmp_path) -> collections.Counter[str]:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("fp16", [0, 1])
-@pytest.mark.parametrize("cols,zfold,unroll", [(4, 1, 4), (4, 0, 2), (2, 1, 2), (2, 0, 1)])
-def test_source_compiles_unrolled_without_spills(arch: str, fp16: int, cols: int, zfold: int, unroll: int,
+@pytest.mark.parametrize("cols,zfold,unroll,dq", [(4, 1, 4, 1), (4, 0, 2, 1), (2, 1, 2, 1), (2, 0, 1, 0), (4, 1, 4, 0)])
+def test_source_compiles_unrolled_without_spills(arch: str, fp16: int, cols: int, zfold: int, unroll: int, dq: int,
                                                   tmp_path) -> None:
     from pagedllm.layers.cuda_rtc import RtcError, compile_cubin
 
     pdl = int(arch == "sm_90a")  # griddepcontrol needs sm_90
-    defines = dict(COLS=cols, FP16=fp16, ITERS=8, PDL=pdl, UNROLL=unroll, WARPS=4, ZFOLD=zfold)
+    defines = dict(COLS=cols, DQ=dq, FP16=fp16, GI=4, ITERS=8, PDL=pdl, UNROLL=unroll, WARPS=4, ZFOLD=zfold)
     try:
         cubin = compile_cubin(mma._source(), "w4a16_mma_gemv", arch, defines)
     except RtcError as exc:
@@ -61,10 +61,15 @@ def test_source_compiles_unrolled_without_spills(arch: str, fp16: int, cols: int
     assert ops["STL"] == 0 and ops["LDL"] == 0, "local memory: the accumulators or the batch spilled"
     # One loop body: two tiles per column and iteration, plus ZFOLD's two of ones per iteration (NOTE 2).
     assert ops["HMMA"] == unroll * (2 * cols + 2 * zfold)
-    # Per code pair: one PRMT and one LOP3; ZFOLD drops the zero-point FMA2 (HADD2 / HFMA2 class; a few stay
-    # as float16 -> float32 scale conversions).
+    # A group of 4 iterations is a constant (GI): no integer division in the loop.
+    assert ops["MUFU"] == 0 and ops["IABS"] == 0
     pairs = unroll * cols * 8
-    assert ops["PRMT"] == pairs
+    if dq:  # NOTE 2, DQ 1: LOP3 per pair on the word shifted by 0, 4, 8, 12; four PRMTs pair the activations
+        assert ops["PRMT"] == 4 * unroll
+        assert ops["LOP3"] >= pairs and ops["SHF"] >= 3 * pairs // 4
+    else:  # one PRMT and one LOP3 per pair
+        assert ops["PRMT"] == pairs
+    # ZFOLD drops the zero-point FMA2 (HADD2 / HFMA2 class; a few stay as float16 -> float32 scale conversions).
     halves = ops["HADD2"] + ops["HFMA2"]
     assert (halves < pairs // 2) if zfold else (halves >= pairs)
 

@@ -147,35 +147,25 @@ class _LaunchConfig(ctypes.Structure):
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
-_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_shared_opt_in: dict[int, int] = {}  # function handle -> dynamic shared memory bytes allowed so far
-
-
 def launch(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Any],
-           pdl: bool = False, shared_mem: int = 0) -> None:
+           pdl: bool = False) -> None:
     """kernel(args) on the current stream; `pdl` launches it with programmatic stream serialization, so it may
     start before the kernel ahead of it ends (it must execute griddepcontrol.wait before reading that
-    kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints. `shared_mem`:
-    dynamic shared memory bytes (the function is opted in to them first, once)."""
+    kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints."""
     import torch
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
-    lib = _get_gpu_runtime_library()
-    func = kernel.func
-    handle = getattr(func, "value", None) or id(func)
-    if _shared_opt_in.get(handle, 0) < shared_mem:  # static + dynamic past 48 KB needs the opt-in
-        _check_cuda(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem))
-        _shared_opt_in[handle] = shared_mem
     keep: list[Any] = []
     for a in args:
         keep.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
     c_args = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
     stream = torch.cuda.current_stream()
+    lib = _get_gpu_runtime_library()
     if not pdl:
-        _check_cuda(lib.cuLaunchKernel(func, *grid, *block, shared_mem, stream._as_parameter_, c_args, None))
+        _check_cuda(lib.cuLaunchKernel(kernel.func, *grid, *block, 0, stream._as_parameter_, c_args, None))
         return
     attr = _Attr()
     attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.flag = 1
-    config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
-    _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(config), func, c_args, None))
+    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
+    _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, c_args, None))

@@ -29,12 +29,12 @@ from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  #
 
 BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2), (4, 8, 1), (4, 16, 1),
           (4, 32, 2), (4, 32, 4), (8, 8, 4), (8, 16, 4), (2, 16, 4), (2, 32, 4)]
-# (cols, zfold, pdl[, ring, probe]): MmaBlocks' fields after the first three; --features picks others
-FEATURES = [(c, z, d) for c in (4, 2) for z in (1, 0) for d in (1, 0)]
+# (cols, zfold, pdl[, dq, probe]): MmaBlocks' fields after the first three; --features picks others
+FEATURES = [(4, 1, 1, 1), (4, 1, 1, 0), (4, 0, 1, 1), (2, 1, 1, 1), (4, 1, 0, 1)]
 
 
 def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int,
-              features: tuple[int, ...] = (4, 1, 1)) -> dict[str, Any]:
+              features: tuple[int, ...] = (4, 1, 1, 1)) -> dict[str, Any]:
     from pagedllm.plugins.quantization.w4a16_layout import (
         PackedLayout,
         dequantize,
@@ -70,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="w4_mma.json")
     ap.add_argument("--skip-grid", action="store_true", help="only the default blocks in stage 2")
-    ap.add_argument("--features", default="", help='e.g. "4,1,1;4,1,1,2;4,1,1,0,1" (cols, zfold, pdl, ring, probe)')
+    ap.add_argument("--features", default="", help='e.g. "4,1,1,1;4,1,1,0;4,1,1,1,2" (cols, zfold, pdl, dq, probe)')
     args = ap.parse_args()
     features = [tuple(int(v) for v in f.split(",")) for f in args.features.split(";")] if args.features else FEATURES
     from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv

@@ -6,8 +6,9 @@
 // Defined by the host: WARPS (warps per block), ITERS (iterations of 32 inputs per warp), UNROLL (iterations
 // whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
 // owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
-// PDL (NOTE 4), RING (NOTE 5; 0: words in registers), PROBE (0; 1 / 2: measurement only, wrong results: the
-// loads without the math / the math without the loads).
+// PDL (NOTE 4), GI (the group's iterations, G / 32: a constant, so the group arithmetic is shifts), DQ (NOTE
+// 2: 0 PRMT pairs, 1 shifted-word pairs), PROBE (0; 1 / 2: measurement only, wrong results: the loads without
+// the math / the math without the loads).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -29,6 +30,10 @@
 // subtracts (128 + z) X afterwards, where X = the group's sum of x per row comes from one more mma per tile
 // with A = ones (sum (128 + q) x - (128 + z) sum x = sum (q - z) x; the fp32 sums lose ~8 of 24 bits to the
 // cancellation, far under bf16's 8). The group scale multiplies the fp32 accumulators once per group.
+// DQ 1 (seven instructions a word instead of nine): `(w >> 4s) & 0x000F000F | MAGIC` is the pair (q_s, q_s+4)
+// for s = 0..3 (three shifts and four LOP3s, as Marlin does), so each fragment pairs inputs 8r + s and
+// 8r + s + 4; the activations are paired the same way with four PRMTs per iteration, shared by the 2 COLS
+// words of the iteration (the k order inside a tile is free, NOTE 1).
 // NOTE 3 (split-K): warps of a block take consecutive ITERS-iteration runs of K and are summed through shared
 // memory; blocks along gridDim.y take consecutive runs of WARPS * ITERS iterations and meet through float32
 // partials [split, m, n] and a ticket per column block: the block that draws the last ticket sums the
@@ -37,13 +42,6 @@
 // NOTE 4 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
 // issues its first weight loads (the weights are not written by the kernel before it), and only then waits
 // for that kernel before reading x.
-// NOTE 5 (RING, words through shared memory): a warp that keeps its words in registers has UNROLL
-// iterations in flight only while it waits, none while it computes, and the math of a run takes about as long
-// as its loads (measured on the H200: gate_up loads alone 14.8 µs, math alone 15.7, both 23.4). With RING
-// stages each lane copies its own 16-byte segments with cp.async into its own slots of a per-warp ring,
-// RING - 1 runs ahead (words, zero words and scales), waits for the oldest run with cp.async.wait_group (a
-// lane reads only what it copied, so no barrier is needed) and computes it from shared memory while the
-// next runs are in flight. Shared memory: WARPS * RING * (2 UNROLL + 2) * 512 bytes, dynamic.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -113,6 +111,16 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
 }
 
 // Codes 2b, 2b + 1 of `w` as the 16-bit pair (128 + q) (ZFOLD) or (q - z) (NOTE 2); hi = w >> 4.
+// (w & 0x000F000F) | MAGIC2 as the pair (128 + q, 128 + q') (DQ 1) or (q - z, q' - z)
+__device__ __forceinline__ u32 low_pair(u32 w, u32 neg_zero) {
+    const u32 v = and_or(w, 0x000F000Fu, MAGIC2);
+#if ZFOLD
+    return v;
+#else
+    return fma2(v, ONE2, neg_zero);
+#endif
+}
+
 __device__ __forceinline__ u32 pair(u32 w, u32 hi, u32 sel, u32 neg_zero) {
     const u32 v = and_or(prmt(w, hi, sel), 0x000F000Fu, MAGIC2);
 #if ZFOLD
@@ -149,16 +157,6 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
-#if RING
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-#define CP_ASYNC(bytes, kind, dst, src) \
-    asm volatile("cp.async." kind ".shared.global [%0], [%1], " #bytes ";" :: "r"(dst), "l"(src) : "memory")
-#endif
-
 struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
     wvec wa[UNROLL], wb[UNROLL];
     uint4 xv[UNROLL];
@@ -170,7 +168,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32* __restrict__ qz,
                const u16* __restrict__ sc, u16* __restrict__ y, float* __restrict__ part,
                u32* __restrict__ tickets, int M, int N, int stride_x, int stride_qz, int stride_s,
-               int total_iters, int group_iters, int zero_offset) {
+               int total_iters, int group_iters_unused, int zero_offset) {
+    constexpr int group_iters = GI;  // a constant: the group's index and end are shifts for powers of two
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -219,60 +218,13 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int u = 0; u < UNROLL; ++u)
             b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
     };
-#if RING  // NOTE 5
-    constexpr int STAGE = (2 * UNROLL + 2) * 32;  // uint4 per warp and stage: the words, then zero words, scales
-    extern __shared__ uint4 ring[];
-    const uint4* const mine = ring + (size_t)warp * RING * STAGE + lane;
-    const u32 mine_s = smem_addr(mine);
-    auto issue = [&](int stage, int it) {  // run `it` into `stage`; one commit group per run, empty past the end
-        if (it < it1) {
-            const u32 base = mine_s + stage * STAGE * 16;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const u32* p = wp + (size_t)(it + u) * 4 * N;
-                CP_ASYNC(16, "cg", base + 2 * u * 512, p);
-                CP_ASYNC(16, "cg", base + (2 * u + 1) * 512, p + CB / 2);
-            }
-            const int grp = it / group_iters;
-            const u32 meta = base + 2 * UNROLL * 512;
-            CP_ASYNC(4, "ca", meta, zp + (size_t)grp * stride_qz);
-            CP_ASYNC(4, "ca", meta + 4, zp + (size_t)grp * stride_qz + COLS);
-            CP_ASYNC(8, "ca", meta + 512, sp + (size_t)grp * stride_s);
-            CP_ASYNC(8, "ca", meta + 512 + 8, sp + (size_t)grp * stride_s + CB / 2);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
-    auto read_w = [&](Batch& b, int stage) {
-        const uint4* q = mine + stage * STAGE;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            b.wa[u] = q[2 * u * 32];
-            b.wb[u] = q[(2 * u + 1) * 32];
-        }
-        const uint4 m0 = q[2 * UNROLL * 32], m1 = q[(2 * UNROLL + 1) * 32];
-        b.za = m0.x;
-        b.zb = m0.y;
-        b.sa = make_uint2(m1.x, m1.y);
-        b.sb = make_uint2(m1.z, m1.w);
-    };
-#pragma unroll
-    for (int s = 0; s < RING - 1; ++s) issue(s, it0 + s * UNROLL);
-    int stage = 0;
-#else
     if (it0 < it1) load_w(cur, it0);
-#endif
 #if PDL  // NOTE 4: the first weights are in flight before the kernel that writes x has finished
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     if (it0 < it1) load_x(cur, it0);
 
     for (int it = it0; it < it1; it += UNROLL) {
-#if RING
-        asm volatile("cp.async.wait_group %0;" :: "n"(RING - 2) : "memory");  // this lane's run `stage` is in
-        issue(stage == 0 ? RING - 1 : stage - 1, it + (RING - 1) * UNROLL);  // the slot read one run ago
-        read_w(cur, stage);
-        stage = stage == RING - 1 ? 0 : stage + 1;
-#endif
 #if !ZFOLD
         if (it == it0 || it % group_iters == 0) {  // a new group: its zero points
 #pragma unroll
@@ -297,19 +249,30 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
             mma(xs, ONE2, ONE2, ONE2, ONE2, cur.xv[u].x, cur.xv[u].y);
             mma(xs, ONE2, ONE2, ONE2, ONE2, cur.xv[u].z, cur.xv[u].w);
 #endif
+#if DQ  // NOTE 2: inputs (8r + s, 8r + s + 4) in one register, as the code pairs
+            const u32 x04 = prmt(cur.xv[u].x, cur.xv[u].z, 0x5410u), x15 = prmt(cur.xv[u].x, cur.xv[u].z, 0x7632u);
+            const u32 x26 = prmt(cur.xv[u].y, cur.xv[u].w, 0x5410u), x37 = prmt(cur.xv[u].y, cur.xv[u].w, 0x7632u);
+#endif
 #pragma unroll
             for (int j = 0; j < COLS; ++j) {
                 const u32 a = WGET(cur.wa[u], j), b = WGET(cur.wb[u], j);
-                const u32 ah = a >> 4, bh = b >> 4;
 #if ZFOLD
                 const u32 zna = 0, znb = 0;
 #else
                 const u32 zna = nz_a[j], znb = nz_b[j];
 #endif
+#if DQ
+                mma(acc[j], low_pair(a, zna), low_pair(b, znb), low_pair(a >> 4, zna), low_pair(b >> 4, znb),
+                    x04, x15);
+                mma(acc[j], low_pair(a >> 8, zna), low_pair(b >> 8, znb), low_pair(a >> 12, zna),
+                    low_pair(b >> 12, znb), x26, x37);
+#else
+                const u32 ah = a >> 4, bh = b >> 4;
                 mma(acc[j], pair(a, ah, SEL0, zna), pair(b, bh, SEL0, znb), pair(a, ah, SEL1, zna),
                     pair(b, bh, SEL1, znb), cur.xv[u].x, cur.xv[u].y);
                 mma(acc[j], pair(a, ah, SEL2, zna), pair(b, bh, SEL2, znb), pair(a, ah, SEL3, zna),
                     pair(b, bh, SEL3, znb), cur.xv[u].z, cur.xv[u].w);
+#endif
             }
         }
         if ((it + UNROLL) % group_iters == 0 || it + UNROLL >= it1) {  // the group ends: scale and keep
@@ -339,32 +302,23 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #if PROBE == 2  // measurement only: the math without the loads (the first run's words again)
             if (false)
 #endif
-#if !RING
             load_w(cur, it + UNROLL);
-#endif
             load_x(cur, it + UNROLL);
         }
     }
 
     // NOTE 3: the block's warps meet in shared memory ([warp][m][column]).
-#if RING  // each warp's [8][CB] in its own ring, which it no longer reads (so no barrier before the writes)
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    static_assert(8 * CB * 4 <= RING * STAGE * 16, "a warp's partial sums fit its ring");
-#define RED(w, m, c) reinterpret_cast<float*>(ring + (w) * RING * STAGE)[(m) * CB + (c)]
-#else
     __shared__ float red[WARPS][8][CB];
-#define RED(w, m, c) red[w][m][c]
-#endif
 #pragma unroll
     for (int j = 0; j < COLS; ++j) {
         const int m0 = 2 * t, m1 = 2 * t + 1, c0 = COLS * g + j, c1 = CB / 2 + COLS * g + j;
         if (m0 < M) {
-            RED(warp, m0, c0) = out[j][0];
-            RED(warp, m0, c1) = out[j][2];
+            red[warp][m0][c0] = out[j][0];
+            red[warp][m0][c1] = out[j][2];
         }
         if (m1 < M) {
-            RED(warp, m1, c0) = out[j][1];
-            RED(warp, m1, c1) = out[j][3];
+            red[warp][m1][c0] = out[j][1];
+            red[warp][m1][c1] = out[j][3];
         }
     }
     __syncthreads();
@@ -372,7 +326,7 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         const int m = idx / CB, c = idx % CB;
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += RED(w, m, c);
+        for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
         if (splits == 1)
             y[(size_t)m * N + nb + c] = float_to_half(v);
         else

@@ -54,7 +54,7 @@ class MmaBlocks(NamedTuple):
     cols: int = 4  # 4 or 2 columns per lane: a block owns 16 * cols outputs (w4a16_mma.cu NOTE 1)
     zfold: int = 1  # 1: the zero point subtracted after the mma (w4a16_mma.cu NOTE 2)
     pdl: int = 0  # 1: programmatic dependent launch (w4a16_mma.cu NOTE 4; sm_90+)
-    ring: int = 0  # stages of a per-warp shared-memory ring for the words (w4a16_mma.cu NOTE 5; 0: registers)
+    dq: int = 1  # code pairs: 0 PRMT + LOP3 each, 1 LOP3 on shifted words (w4a16_mma.cu NOTE 2)
     probe: int = 0  # measurement only (w4a16_mma.cu): 1 the loads without the math, 2 the math without the loads
 
 
@@ -98,9 +98,9 @@ def _env_knobs() -> dict[str, int]:
     """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "ring", "probe"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "dq", "probe"})
     if unknown:
-        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, ring, probe)")
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, dq, probe)")
     return {k: int(v) for k, v in knobs.items()}
 
 
@@ -135,9 +135,9 @@ def _kernel_or_error(device: torch.device, defines: tuple[tuple[str, int], ...])
         return exc
 
 
-def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks) -> Exception | None:
-    """None when the kernel for these blocks compiles and loads on `device`, else why not (cached)."""
-    got = _kernel_or_error(device, _defines(dtype, blocks))
+def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks, group_iters: int) -> Exception | None:
+    """None when the kernel for these blocks and group compiles and loads on `device`, else why not (cached)."""
+    got = _kernel_or_error(device, _defines(dtype, blocks, group_iters))
     return got if isinstance(got, Exception) else None
 
 
@@ -146,7 +146,7 @@ def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight:
     if mma_reason(layout, x, scales, qweight, n) is not None:
         return False
     k = x.shape[-1]
-    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k, x.device))
+    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k, x.device), layout.group_size // 32)
     if error is not None:
         _warn_once(str(error))
     return error is None
@@ -157,9 +157,10 @@ def _warn_once(message: str) -> None:
     logger.warning("w4a16 mma GEMV unavailable, the Triton GEMV runs instead: %s", message)
 
 
-def _defines(dtype: torch.dtype, blocks: MmaBlocks) -> tuple[tuple[str, int], ...]:
-    return (("COLS", blocks.cols), ("FP16", int(dtype == torch.float16)), ("ITERS", blocks.iters),
-            ("PDL", blocks.pdl), ("PROBE", blocks.probe), ("RING", blocks.ring), ("UNROLL", blocks.unroll), ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
+def _defines(dtype: torch.dtype, blocks: MmaBlocks, group_iters: int) -> tuple[tuple[str, int], ...]:
+    return (("COLS", blocks.cols), ("DQ", blocks.dq), ("FP16", int(dtype == torch.float16)), ("GI", group_iters),
+            ("ITERS", blocks.iters), ("PDL", blocks.pdl), ("PROBE", blocks.probe), ("UNROLL", blocks.unroll),
+            ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
 
 def w4a16_mma_gemv(
@@ -185,8 +186,7 @@ def w4a16_mma_gemv(
     b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
     assert n % (16 * b.cols) == 0, (n, b)
-    assert not b.ring or (b.ring >= 2 and b.cols == 4), b
-    kernel = _kernel_or_error(x.device, _defines(x.dtype, b))
+    kernel = _kernel_or_error(x.device, _defines(x.dtype, b, layout.group_size // 32))
     if isinstance(kernel, Exception):
         raise kernel
     total_iters = k // 32
@@ -198,8 +198,7 @@ def w4a16_mma_gemv(
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
     launch(kernel, (col_blocks, splits, 1), (b.warps * 32, 1, 1),
            [flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
-            scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl),
-           shared_mem=b.warps * b.ring * (2 * b.unroll + 2) * 512)
+            scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl))
     return y.reshape(*x.shape[:-1], n)
 
 
