@@ -89,7 +89,7 @@ def test_refusals_name_the_reason() -> None:
 
 def test_blocks_follow_the_sweep_and_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     for (n, k), swept in mma._SWEPT.items():
-        assert mma.mma_blocks(GPTQ, 1, n, k)[:3] == swept
+        assert mma.mma_blocks(GPTQ, 1, n, k)[: len(swept)] == swept
     for n, k, group in [(192, 256, 128), (11008, 4096, 128), (4096, 11008, 64), (96, 4096, 32), (4096, 4096, -1)]:
         layout = PackedLayout("gptq", 4, group if group > 0 else k, 0)
         b = mma.mma_blocks(layout, 1, n, k)
@@ -116,3 +116,31 @@ def test_decode_gemv_defaults_to_mma_and_refuses_unknown_variants(monkeypatch: p
     monkeypatch.setenv("PAGEDLLM_W4A16_GEMV", "nope")
     with pytest.raises(ValueError, match="PAGEDLLM_W4A16_GEMV"):
         w4a16_gemv.gemv_variant()
+
+
+def test_gate_up_hook_reaches_the_method_and_declines_cleanly() -> None:
+    from torch import nn
+
+    from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul, fused_gate_up_act
+    from pagedllm.plugins.quantization.w4a16_method import PackedIntLinearMethod
+
+    calls: list[str] = []
+
+    class Method:
+        def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+            calls.append(activation)
+            return x[..., :2] * 3 if activation == "silu" else None
+
+    layer = nn.Module()
+    layer.quant_method = Method()  # type: ignore[assignment]
+    x = torch.ones(1, 4)
+    assert torch.equal(fused_gate_up_act(layer, SiluAndMul(), x), x[..., :2] * 3)  # type: ignore[arg-type]
+    assert fused_gate_up_act(layer, GeluTanhAndMul(), x) is None
+    assert calls == ["silu", "gelu_tanh"]
+    assert fused_gate_up_act(layer, nn.ReLU(), x) is None  # not a gated activation: the hook is not asked
+    assert calls == ["silu", "gelu_tanh"]
+    plain = nn.Module()
+    plain.quant_method = object()  # type: ignore[assignment]
+    assert fused_gate_up_act(plain, SiluAndMul(), x) is None  # a method without the hook
+    # The W4A16 method declines off CUDA (its kernel is the tensor-core GEMV): the MLP runs gate_up, then SiLU.
+    assert PackedIntLinearMethod(GPTQ).apply_act_and_mul(nn.Module(), x, "silu") is None

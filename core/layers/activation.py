@@ -37,3 +37,17 @@ class GeluTanhAndMul(FusedOp, nn.Module):
             return act_and_mul(x, "gelu_tanh")
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+_ACTIVATION_NAMES: dict[type, str] = {SiluAndMul: "silu", GeluTanhAndMul: "gelu_tanh"}
+
+
+def fused_gate_up_act(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """act(gate_up(x)) from one kernel when the layer's quantization method offers `apply_act_and_mul`
+    (core/protocols/quantization.py) and takes this call, else None: the caller runs both as usual."""
+    hook = getattr(getattr(gate_up, "quant_method", None), "apply_act_and_mul", None)
+    name = _ACTIVATION_NAMES.get(type(act))
+    if hook is None or name is None:
+        return None
+    result: torch.Tensor | None = hook(gate_up, x, name)
+    return result

@@ -2,6 +2,10 @@
 
 Linear layers (pagedllm.layers.linear) never own parameters directly: they ask their method to create them,
 so an AWQ or GGUF method can register packed tensors under the checkpoint's names and a fast matmul.
+
+Optional: `apply_act_and_mul(layer, x, activation) -> Tensor | None` on a method of a fused [gate | up] layer
+returns act(gate) * up of x's product in one go (activation "silu" or "gelu_tanh"), or None to decline; the
+gated MLPs ask through pagedllm.layers.activation.fused_gate_up_act before running apply and the activation.
 """
 
 from __future__ import annotations

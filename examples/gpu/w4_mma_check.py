@@ -63,6 +63,11 @@ def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offse
     rec["blocks"] = list(blocks)
     rec["err"] = float((y.float() - ref).abs().max() / ref.abs().max())
     rec["same_bits_twice"] = bool(torch.equal(y, w4a16_mma_gemv(x, layout, qw, qz, s, n, blocks)))
+    if n % 64 == 0 and not blocks.probe:  # [gate | up] -> silu(gate) * up in the epilogue (w4a16_mma.cu NOTE 5)
+        gate, up = y.float().chunk(2, dim=-1)
+        act = (gate / (1 + torch.exp(-gate))).to(dtype).float() * up
+        yg = w4a16_mma_gemv(x, layout, qw, qz, s, n, blocks, gated=True)
+        rec["gated_err"] = float((yg.float() - act).abs().max() / act.abs().max())
     return rec
 
 
@@ -88,7 +93,7 @@ def main() -> None:
             rec = check_one(n, k, m, dtype, group, zo, feat)
             out["checks"].append(rec)
             bound = 8e-3 if dtype == torch.bfloat16 else 1e-3
-            if "refused" in rec or rec["err"] > bound or not rec["same_bits_twice"]:
+            if "refused" in rec or rec["err"] > bound or not rec["same_bits_twice"] or rec.get("gated_err", 0) > bound:
                 bad.append(rec)
     print(f"checks: {len(out['checks'])}, failed {len(bad)}; max err bf16 "
           f"{max(r.get('err', 0) for r in out['checks'] if 'bfloat16' in r['dtype']):.2e}, fp16 "
@@ -147,6 +152,15 @@ def main() -> None:
                 [functools.partial(w4a16_mma_rows, xm, lay, *st, n) for st in w["sets"]])
             rec[f"mant_m{m}_us"] = timer.us_per_call(
                 [functools.partial(w4a16_gemv, xm, lay, *st, n) for st in w["sets"][:4]]) if m <= 4 else None
+        if name == "gate_up":  # SiLU-and-mul in the epilogue vs the GEMV then the Triton act_and_mul kernel
+            from pagedllm.layers.triton_ops import act_and_mul
+
+            rec["gated_us"] = timer.us_per_call(
+                [functools.partial(w4a16_mma_gemv, x1, lay, *st, n, gated=True) for st in w["sets"]])
+            rec["gemv_then_act_us"] = timer.us_per_call(
+                [lambda st=st, x1=x1, lay=lay, n=n: act_and_mul(w4a16_mma_gemv(x1, lay, *st, n)) for st in w["sets"]])
+            print(f"gate_up + SiLU-and-mul: fused {rec['gated_us']:.1f} us, GEMV then act_and_mul "
+                  f"{rec['gemv_then_act_us']:.1f} us", flush=True)
         x16 = torch.randn(16, k, device="cuda").to(torch.bfloat16)
         rec["gemm_m16_us"] = timer.us_per_call(  # the route mma_rows replaces at 9..16 rows
             [functools.partial(w4a16_gemm, x16, lay, *st, None, n) for st in w["sets"]])

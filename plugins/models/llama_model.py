@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import SiluAndMul, fused_gate_up_act
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.dense_gemv import gated_down
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -76,6 +76,9 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = fused_gate_up_act(self.gate_up_proj, self.act_fn, x)  # e.g. W4A16's GEMV forms it in its epilogue
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         # The down GEMV may form silu(gate) * up itself (one launch fewer); off unless switched on: it measured
         # slower on the H200 (layers/dense_gemv.py NOTE 3).

@@ -9,6 +9,8 @@ loader place fused pieces and tensor-parallel shards without knowing the format.
                     (w4a16_kernel.py) up to 127 rows; from 128 rows the weight is dequantized into a per-call
                     16-bit scratch and cuBLAS multiplies (w4a16_dequant.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
+    apply_act_and_mul  a fused [gate | up] layer at decode: the tensor-core GEMV forms silu(gate) * up in its
+                    epilogue (w4a16_mma.cu NOTE 5), one launch and one [M, 2I] round trip fewer per layer
 """
 
 from __future__ import annotations
@@ -165,3 +167,25 @@ class PackedIntLinearMethod:
             return y + bias if bias is not None else y
         w_t = dequantize(lay, qweight, qzeros, scales, g_idx, dtype=x.dtype)  # [K, N]
         return F.linear(x, w_t.t(), bias)
+
+    def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of this [gate | up] layer in one kernel, or None (the caller runs apply and the
+        activation): CUDA, "silu", no bias, decode-sized rows on the tensor-core GEMV (core/protocols/quantization.py)."""
+        if activation != "silu" or not x.is_cuda or getattr(layer, "bias", None) is not None:
+            return None
+        from pagedllm.plugins.quantization import w4a16_mma as mma
+        from pagedllm.plugins.quantization.w4a16_gemv import gemv_variant
+        from pagedllm.plugins.quantization.w4a16_kernel import w4a16_route
+
+        lay: PackedLayout = layer.__dict__["w4a16_layout"]
+        k = x.shape[-1]
+        if w4a16_route(lay, x.numel() // k if k else 0, layer.__dict__["w4a16_g_idx"]) != "gemv" or gemv_variant() != "mma":
+            return None
+        perm = cast(torch.Tensor | None, layer.w4a16_perm)
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        qweight, qzeros, scales = (cast(torch.Tensor, getattr(layer, n)) for n in ("qweight", "qzeros", "scales"))
+        n = scales.shape[1]
+        if not mma.gated_usable(lay, x.reshape(-1, k), scales, qweight, n):
+            return None
+        return mma.w4a16_mma_gemv(x, lay, qweight, qzeros, scales, n, gated=True)

@@ -7,8 +7,8 @@
 // whose loads are issued together; divides G / 32), COLS (4 or 2 columns per lane and A row pair: a block
 // owns CB = 16 COLS output columns), ZFOLD (NOTE 2), FP16 (1: float16 activations and scales, 0: bfloat16),
 // PDL (NOTE 4), GI (the group's iterations, G / 32: a constant, so the group arithmetic is shifts), DQ (NOTE
-// 2: 0 PRMT pairs, 1 shifted-word pairs), PROBE (0; 1 / 2: measurement only, wrong results: the loads without
-// the math / the math without the loads).
+// 2: 0 PRMT pairs, 1 shifted-word pairs), GATED (NOTE 5), PROBE (0; 1 / 2: measurement only, wrong results:
+// the loads without the math / the math without the loads).
 //
 // One mma.m16n8k16 (A 16 x 16 row-major, B 16 x 8 col-major, fp32 accumulators) takes A = dequantized weights
 // (16 output columns n as rows, 16 inputs k) and B = activations (16 inputs, 8 activation rows m). Lane
@@ -42,6 +42,19 @@
 // NOTE 4 (PDL, sm_90+): launched with programmatic stream serialization, a block lets the next kernel start,
 // issues its first weight loads (the weights are not written by the kernel before it), and only then waits
 // for that kernel before reading x.
+
+// NOTE 5 (GATED, SwiGLU in the epilogue): the weights are [gate | up] (N = 2 I) and y = silu(gate) * up, [M, I].
+// Block b's A rows g take gate columns 32 b + COLS g .. and rows g + 8 the up columns I + 32 b + COLS g .., so
+// one block holds both halves of its 32 outputs and forms them where it writes y: the SiLU-and-mul kernel and
+// its [M, 2 I] round trip go away. Rounded as the unfused path: gate and up to 16 bits, then SiluAndMul's
+// float32 silu, rounded, times up (core/layers/triton_ops.py NOTE 1).
+
+#ifndef GATED
+#define GATED 0
+#endif
+#ifndef PROBE
+#define PROBE 0
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -157,6 +170,13 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
+#if GATED
+__device__ __forceinline__ u16 silu_mul(float gate, float up) {  // NOTE 5
+    const float g = half_to_float(float_to_half(gate)), u = half_to_float(float_to_half(up));
+    return float_to_half(half_to_float(float_to_half(g / (1.f + __expf(-g)))) * u);
+}
+#endif
+
 struct Batch {  // one UNROLL run of iterations: its words, activations, and its group's zero words and scales
     wvec wa[UNROLL], wb[UNROLL];
     uint4 xv[UNROLL];
@@ -175,16 +195,21 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int nb = blockIdx.x * CB;
+    const int nb = blockIdx.x * CB;  // the block's slice of [N] for the split-K partials
+#if GATED  // NOTE 5: A rows g gate columns ca + COLS g .., rows g + 8 the up columns ca + boff + COLS g ..
+    const int ca = blockIdx.x * (CB / 2), boff = N / 2;
+#else
+    const int ca = nb, boff = CB / 2;
+#endif
     const int split = blockIdx.y, splits = gridDim.y;
     const int it0 = (split * WARPS + warp) * ITERS;
     const int it1 = min(it0 + ITERS, total_iters);
 
-    const u32* wp = qw + (size_t)t * N + nb + COLS * g;  // word row 4i + t, columns nb + COLS g ..
+    const u32* wp = qw + (size_t)t * N + ca + COLS * g;  // word row 4i + t, columns ca + COLS g ..
     const bool has_row = g < M;
     const u16* xp = x + (size_t)(has_row ? g : 0) * stride_x + 8 * t;
-    const u32* zp = qz + ((nb + COLS * g) >> 3);
-    const u16* sp = sc + nb + COLS * g;
+    const u32* zp = qz + ((ca + COLS * g) >> 3);
+    const u16* sp = sc + ca + COLS * g;
     const int zshift = 4 * ((COLS * g) & 7);
 
     float out[COLS][4];
@@ -205,13 +230,13 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int u = 0; u < UNROLL; ++u) {
             const u32* p = wp + (size_t)(it + u) * 4 * N;
             b.wa[u] = load_words(p);
-            b.wb[u] = load_words(p + CB / 2);
+            b.wb[u] = load_words(p + boff);
         }
         const int grp = it / group_iters;
         b.za = __ldg(zp + (size_t)grp * stride_qz);
-        b.zb = __ldg(zp + (size_t)grp * stride_qz + COLS);
+        b.zb = __ldg(zp + (size_t)grp * stride_qz + (boff >> 3));
         b.sa = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s));
-        b.sb = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s + CB / 2));
+        b.sb = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s + boff));
     };
     auto load_x = [&](Batch& b, int it) {
 #pragma unroll
@@ -322,12 +347,27 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         }
     }
     __syncthreads();
+#if GATED
+    if (splits == 1) {
+        for (int idx = threadIdx.x; idx < M * (CB / 2); idx += WARPS * 32) {
+            const int m = idx / (CB / 2), c = idx % (CB / 2);
+            float vg = 0.f, vu = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                vg += red[w][m][c];
+                vu += red[w][m][c + CB / 2];
+            }
+            y[(size_t)m * (N / 2) + ca + c] = silu_mul(vg, vu);
+        }
+        return;
+    }
+#endif
     for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
         const int m = idx / CB, c = idx % CB;
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) v += red[w][m][c];
-        if (splits == 1)
+        if (!GATED && splits == 1)
             y[(size_t)m * N + nb + c] = float_to_half(v);
         else
             part[((size_t)split * M + m) * N + nb + c] = v;
@@ -339,11 +379,23 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1u) == (u32)(splits - 1);
     __syncthreads();
     if (!last) return;
+#if GATED
+    for (int idx = threadIdx.x; idx < M * (CB / 2); idx += WARPS * 32) {
+        const int m = idx / (CB / 2), c = idx % (CB / 2);
+        float vg = 0.f, vu = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            vg += __ldcg(part + ((size_t)s * M + m) * N + nb + c);
+            vu += __ldcg(part + ((size_t)s * M + m) * N + nb + c + CB / 2);
+        }
+        y[(size_t)m * (N / 2) + ca + c] = silu_mul(vg, vu);
+    }
+#else
     for (int idx = threadIdx.x; idx < M * CB; idx += WARPS * 32) {
         const int m = idx / CB, c = idx % CB;
         float v = 0.f;
         for (int s = 0; s < splits; ++s) v += __ldcg(part + ((size_t)s * M + m) * N + nb + c);
         y[(size_t)m * N + nb + c] = float_to_half(v);
     }
+#endif
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }

@@ -68,9 +68,11 @@ def _unroll(layout: PackedLayout, k: int) -> int:
     return next(u for u in (4, 2, 1) if group_iters % u == 0 and (k // 32) % u == 0)
 
 
-# (N, K) -> (warps, iters, unroll) at M = 1: the H200 sweep's best per Llama-3.1-8B shape (group 128; `python
-# examples/gpu/w4_mma_check.py`, 2026-11-30 05:45 and 05:53 UTC, docs/benchmarks.md). Other shapes: the rule.
-_SWEPT = {(6144, 4096): (4, 8, 4), (4096, 4096): (8, 4, 2), (28672, 4096): (4, 16, 4), (4096, 14336): (4, 16, 4)}
+# (N, K) -> (warps, iters, unroll[, cols, zfold]) at M = 1: the H200 sweep's best per Llama-3.1-8B shape (group
+# 128, DQ 1; `python examples/gpu/w4_mma_check.py`, 2026-11-30 08:18 UTC, docs/benchmarks.md). Other shapes: the
+# rule. Per layer 46.2 -> 44.3 µs against the rule's blocks.
+_SWEPT: dict[tuple[int, int], tuple[int, ...]] = {
+    (6144, 4096): (8, 4, 2), (4096, 4096): (8, 4, 2, 4, 0), (28672, 4096): (4, 32, 4), (4096, 14336): (4, 16, 4)}
 
 
 @functools.cache
@@ -81,7 +83,7 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.devic
     pdl = knobs.get("pdl", int(device is not None and torch.cuda.get_device_capability(device) >= (9, 0)))
     swept = _SWEPT.get((n, k))
     if swept is not None and (layout.group_size // 32) % swept[2] == 0:
-        return MmaBlocks(*swept, pdl=pdl)._replace(**{name: v for name, v in knobs.items() if name != "pdl"})
+        return MmaBlocks(*swept)._replace(pdl=pdl)._replace(**_block_knobs(knobs))
     unroll = _unroll(layout, k)
     total_iters = k // 32
     cols = 4 if n % 64 == 0 else 2
@@ -90,7 +92,11 @@ def mma_blocks(layout: PackedLayout, m: int, n: int, k: int, device: torch.devic
     while iters < 64 and iters * 1.5 < want:
         iters *= 2
     iters = max(iters, unroll)
-    return MmaBlocks(4, iters, unroll, cols, pdl=pdl)._replace(**{name: v for name, v in knobs.items() if name != "pdl"})
+    return MmaBlocks(4, iters, unroll, cols, pdl=pdl)._replace(**_block_knobs(knobs))
+
+
+def _block_knobs(knobs: dict[str, int]) -> dict[str, int]:
+    return {name: v for name, v in knobs.items() if name not in ("pdl", "gated")}
 
 
 @functools.cache
@@ -98,9 +104,9 @@ def _env_knobs() -> dict[str, int]:
     """$PAGEDLLM_W4A16_MMA, e.g. "pdl=0,cols=2,zfold=0": A/B runs on the GPU (NOTE 1)."""
     raw = os.environ.get("PAGEDLLM_W4A16_MMA", "")
     knobs = dict(item.split("=", 1) for item in raw.split(",") if item)
-    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "dq", "probe"})
+    unknown = sorted(set(knobs) - {"pdl", "cols", "zfold", "dq", "probe", "gated"})
     if unknown:
-        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, dq, probe)")
+        raise ValueError(f"PAGEDLLM_W4A16_MMA: unknown knobs {unknown} (pdl, cols, zfold, dq, probe, gated)")
     return {k: int(v) for k, v in knobs.items()}
 
 
@@ -135,9 +141,10 @@ def _kernel_or_error(device: torch.device, defines: tuple[tuple[str, int], ...])
         return exc
 
 
-def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks, group_iters: int) -> Exception | None:
+def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks, group_iters: int,
+                 gated: bool = False) -> Exception | None:
     """None when the kernel for these blocks and group compiles and loads on `device`, else why not (cached)."""
-    got = _kernel_or_error(device, _defines(dtype, blocks, group_iters))
+    got = _kernel_or_error(device, _defines(dtype, blocks, group_iters, gated))
     return got if isinstance(got, Exception) else None
 
 
@@ -157,8 +164,9 @@ def _warn_once(message: str) -> None:
     logger.warning("w4a16 mma GEMV unavailable, the Triton GEMV runs instead: %s", message)
 
 
-def _defines(dtype: torch.dtype, blocks: MmaBlocks, group_iters: int) -> tuple[tuple[str, int], ...]:
-    return (("COLS", blocks.cols), ("DQ", blocks.dq), ("FP16", int(dtype == torch.float16)), ("GI", group_iters),
+def _defines(dtype: torch.dtype, blocks: MmaBlocks, group_iters: int, gated: bool = False) -> tuple[tuple[str, int], ...]:
+    return (("COLS", blocks.cols), ("DQ", blocks.dq), ("FP16", int(dtype == torch.float16)), ("GATED", int(gated)),
+            ("GI", group_iters),
             ("ITERS", blocks.iters), ("PDL", blocks.pdl), ("PROBE", blocks.probe), ("UNROLL", blocks.unroll),
             ("WARPS", blocks.warps), ("ZFOLD", blocks.zfold))
 
@@ -172,9 +180,11 @@ def w4a16_mma_gemv(
     n: int,
     blocks: MmaBlocks | tuple[int, ...] | None = None,
     out: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None. `out`: a
-    contiguous [M, N] tensor of x's dtype to write instead of a new one."""
+    contiguous [M, N] tensor of x's dtype to write instead of a new one. `gated`: the weights are [gate | up]
+    and y [..., N / 2] = silu(gate) * up (w4a16_mma.cu NOTE 5; gated_reason(...) must be None)."""
     from pagedllm.layers.cuda_rtc import launch
     from pagedllm.layers.split_k import tickets
 
@@ -186,20 +196,42 @@ def w4a16_mma_gemv(
     b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
     assert n % (16 * b.cols) == 0, (n, b)
-    kernel = _kernel_or_error(x.device, _defines(x.dtype, b, layout.group_size // 32))
+    if gated:
+        b = b._replace(cols=4)  # NOTE 5 of the .cu: a half's 32 columns per block
+    kernel = _kernel_or_error(x.device, _defines(x.dtype, b, layout.group_size // 32, gated))
     if isinstance(kernel, Exception):
         raise kernel
     total_iters = k // 32
     splits = -(-total_iters // (b.warps * b.iters))
     col_blocks = n // (16 * b.cols)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (m, n) and y.is_contiguous() and y.dtype == x.dtype, (tuple(y.shape), m, n)
+    n_out = n // 2 if gated else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n_out) and y.is_contiguous() and y.dtype == x.dtype, (tuple(y.shape), m, n_out)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
     launch(kernel, (col_blocks, splits, 1), (b.warps * 32, 1, 1),
            [flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
             scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl))
-    return y.reshape(*x.shape[:-1], n)
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def gated_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> str | None:
+    """Why the GEMV cannot form silu(gate) * up of these [gate | up] weights itself (None: it can)."""
+    if n % 64:
+        return f"N = {n} (each half a multiple of 32 columns: blocks of 4 columns per lane)"
+    return mma_reason(layout, x, scales, qweight, n)
+
+
+def gated_usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> bool:
+    """usable(...) for the gated kernel (NOTE 2; w4a16_mma.cu NOTE 5); $PAGEDLLM_W4A16_MMA gated=0 says no."""
+    if not _env_knobs().get("gated", 1) or gated_reason(layout, x, scales, qweight, n) is not None:
+        return False
+    k = x.shape[-1]
+    blocks = mma_blocks(layout, x.numel() // k, n, k, x.device)._replace(cols=4)
+    error = kernel_error(x.device, x.dtype, blocks, layout.group_size // 32, gated=True)
+    if error is not None:
+        _warn_once(str(error))
+    return error is None
 
 
 def w4a16_mma_rows(
