@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from w4_gemv_sweep import GROUP, ROTATE_BYTES, SHAPES_8B, Timer, make_weights  # noqa: E402
 
 BLOCKS = [(4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (4, 16, 4), (8, 4, 2), (8, 8, 2), (4, 8, 1), (4, 16, 1),
-          (4, 32, 2), (4, 32, 4), (8, 8, 4), (8, 16, 4), (2, 16, 4), (2, 32, 4)]
+          (4, 32, 2), (4, 32, 4), (8, 8, 4), (8, 16, 4), (2, 16, 4), (2, 32, 4), (8, 4, 4), (4, 4, 4), (16, 4, 4),
+          (16, 2, 2), (8, 2, 2), (16, 4, 2)]
 # (cols, zfold, pdl[, dq, probe]): MmaBlocks' fields after the first three; --features picks others
 FEATURES = [(4, 1, 1, 1), (4, 1, 1, 0), (4, 0, 1, 1), (2, 1, 1, 1), (4, 1, 0, 1)]
 

@@ -225,29 +225,35 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #endif
 
     Batch cur;
+    // Running pointers: the next run's first word row and activations (no 64-bit products in the loop).
+    const size_t wstep = (size_t)4 * N;
+    const u32* wnext = wp + (size_t)it0 * wstep;
+    const u16* xnext = xp + it0 * 32;
     auto load_w = [&](Batch& b, int it) {
+        const u32* p = wnext;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const u32* p = wp + (size_t)(it + u) * 4 * N;
+        for (int u = 0; u < UNROLL; ++u, p += wstep) {
             b.wa[u] = load_words(p);
             b.wb[u] = load_words(p + boff);
         }
+        wnext = p;
         const int grp = it / group_iters;
         b.za = __ldg(zp + (size_t)grp * stride_qz);
         b.zb = __ldg(zp + (size_t)grp * stride_qz + (boff >> 3));
         b.sa = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s));
         b.sb = __ldg(reinterpret_cast<const svec*>(sp + (size_t)grp * stride_s + boff));
     };
-    auto load_x = [&](Batch& b, int it) {
+    auto load_x = [&](Batch& b) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xp + (it + u) * 32)) : make_uint4(0, 0, 0, 0);
+            b.xv[u] = has_row ? __ldg(reinterpret_cast<const uint4*>(xnext + u * 32)) : make_uint4(0, 0, 0, 0);
+        xnext += UNROLL * 32;
     };
     if (it0 < it1) load_w(cur, it0);
 #if PDL  // NOTE 4: the first weights are in flight before the kernel that writes x has finished
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    if (it0 < it1) load_x(cur, it0);
+    if (it0 < it1) load_x(cur);
 
     for (int it = it0; it < it1; it += UNROLL) {
 #if !ZFOLD
@@ -328,7 +334,7 @@ w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
             if (false)
 #endif
             load_w(cur, it + UNROLL);
-            load_x(cur, it + UNROLL);
+            load_x(cur);
         }
     }
 
