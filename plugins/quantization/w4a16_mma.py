@@ -69,10 +69,10 @@ def _unroll(layout: PackedLayout, k: int) -> int:
 
 
 # (N, K) -> (warps, iters, unroll[, cols, zfold]) at M = 1: the H200 sweep's best per Llama-3.1-8B shape (group
-# 128, DQ 1; `python examples/gpu/w4_mma_check.py`, 2026-11-30 08:18 UTC, docs/benchmarks.md). Other shapes: the
-# rule. Per layer 46.2 -> 44.3 µs against the rule's blocks.
+# 128, DQ 1, running pointers; `python examples/gpu/w4_mma_check.py`, 2026-11-30 08:28 UTC, docs/benchmarks.md).
+# Other shapes: the rule.
 _SWEPT: dict[tuple[int, int], tuple[int, ...]] = {
-    (6144, 4096): (8, 4, 2), (4096, 4096): (8, 4, 2, 4, 0), (28672, 4096): (4, 32, 4), (4096, 14336): (4, 16, 4)}
+    (6144, 4096): (4, 8, 4), (4096, 4096): (8, 4, 4), (28672, 4096): (4, 32, 4), (4096, 14336): (4, 16, 4)}
 
 
 @functools.cache
