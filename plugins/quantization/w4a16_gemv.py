@@ -56,8 +56,8 @@ GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this ma
 # examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
 GEMV_VARIANT = "mma"
 # "mma" (w4a16_mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses or
-# NVRTC is missing. H200 per 8B layer (docs/benchmarks.md, 2026-11-30 05:53 UTC): M = 1 51.4 vs mant 53.6 µs,
-# M = 2 52.1 vs 79.0, M = 4 54.7 vs 130.7, M = 8 59.6 (mant stops at 4 rows); GPTQ W3 2.66 vs 2.75 ms.
+# NVRTC is missing. H200 per 8B layer (docs/benchmarks.md, tenth pass, 2026-11-30 08:31 UTC): M = 1 43.3 vs mant
+# 53.5 µs, M = 2 43.6, M = 4 45.2, M = 8 49.4 (mant: 79.0 at 2, 130.7 at 4, ninth pass); GPTQ W3 2.34 ms.
 GEMV_VARIANTS = ("mma", "mant", "mant_pf", "tile", "tile_pf", "base")
 
 

@@ -1,12 +1,12 @@
 """W4A16 decode GEMV on tensor cores (w4a16_mma.cu), for M <= 8 activation rows of GPTQ-ordered 4-bit weights.
 
 The Triton GEMVs (w4a16_gemv.py, w4a16_gemv_tiled.py) spend one FP32 FMA per code and activation row plus the
-unpacking (3.44 SASS instructions per code for the best of them, `mant`). Here a code pair becomes a bfloat16 /
-float16 pair in two instructions (PRMT, LOP3) and goes straight into an mma.m16n8k16 fragment, whose eight
-columns take up to eight activation rows at nearly the cost of one; the zero point and the scale are applied
-to the fp32 sums once per group. Triton cannot place values in mma fragments, so this one kernel is CUDA C,
-compiled at first use by NVRTC (pagedllm.layers.cuda_rtc). The weights stay in the checkpoint's GPTQ order:
-no repacking (w4a16_mma.cu NOTE 1).
+unpacking (3.44 SASS instructions per code for the best of them, `mant`). Here a code pair comes out of a
+shifted word in one LOP3 and goes straight into an mma.m16n8k16 fragment, whose eight columns take up to eight
+activation rows at nearly the cost of one; the zero point and the scale are applied to the fp32 sums once per
+group. Triton cannot place values in mma fragments, so this one kernel is CUDA C, compiled at first use by
+NVRTC (pagedllm.layers.cuda_rtc). The weights stay in the checkpoint's GPTQ order: no repacking (w4a16_mma.cu
+NOTE 1). `gated=True` takes a fused [gate | up] layer and writes silu(gate) * up (w4a16_mma.cu NOTE 5).
 
     grid (N / (16 cols), splits)   block: WARPS warps, 16 cols outputs, WARPS x ITERS iterations of 32 inputs
     warp                           ITERS iterations; each: two (4 x cols)-byte word loads + one 16-byte load of
@@ -14,15 +14,17 @@ no repacking (w4a16_mma.cu NOTE 1).
     block -> y                     warps summed in shared memory; splits > 1: float32 partials + a ticket per
                                    column block, the last block sums them in order (deterministic, graph safe)
 
-Measured on the H200 (docs/benchmarks.md, ninth pass; perf-notes §15a): 51.4 µs per 8B layer at M = 1 against
-the Triton GEMV's 53.6, and 59.6 µs at M = 8 against its 130.7 at M = 4; GPTQ / AWQ single stream 1.58x bf16.
-The kernel has half the Triton GEMV's instructions per code but streams at the same ~2.6 TB/s: it waits on
-memory with ~14 warps per SM (124 registers), not on issue slots.
+Measured on the H200 (docs/benchmarks.md, tenth pass; perf-notes §16): 43.3 µs per 8B layer at M = 1 against
+the Triton GEMV's 53.5 and bf16 cuBLAS's 116.9; GPTQ / AWQ single stream 2.33 ms per token, 1.83x bf16. What
+moved it from the ninth pass's 51.4: the math of a run is as long as its loads (probes: gate_up 15.7 µs of math
+alone, 14.8 of loads alone, 23.4 both), so the loop lost instructions (500 -> 444 per run: a constant group,
+shifted-word pairs, running pointers). Bytes in flight through L2 prefetches or a cp.async ring did not help.
 
 NOTE 1 (sizes): the swept blocks for the Llama-3.1-8B shapes, else ITERS picked so that about 16 warps per SM
 stream at once (132 SMs); UNROLL (iterations whose loads are in flight together) divides the group's
 iterations, so a group's zero points and scales are loaded once per UNROLL run. `blocks=` overrides, and
-$PAGEDLLM_W4A16_MMA (pdl, cols, zfold) changes the defaults for A/B runs (examples/gpu/w4_mma_check.py sweeps).
+$PAGEDLLM_W4A16_MMA (pdl, cols, zfold, dq, gated; probe for measurements) changes the defaults for A/B runs
+(examples/gpu/w4_mma_check.py sweeps).
 NOTE 2 (when it runs): CUDA devices of compute capability >= 8.0 (mma.sync bf16), 4-bit GPTQ order (AWQ is
 repacked into it at load), N, K and the group a multiple of 32, 16-bit activations with scales of the same
 dtype, NVRTC found; `mma_reason` says why not, and w4a16_gemv falls back to the Triton GEMVs.
