@@ -1,6 +1,7 @@
 """Decode and mixed attention at the batch shapes of W1, W2 and W5 (H200): the triton kernel's launch configs.
 
     python examples/gpu/decode_sweep.py --out $OUT/decode_sweep.json      # H200, ~4 minutes
+    python examples/gpu/decode_sweep.py --quick --decode-only              # one segment, tiles 64 / 128: ~1 minute
 
 The kernel targets were tuned on 64 x 2048 (every request the same length). W2's decode steps hold ~500
 requests of 128-1152 keys and W5's ~290 of 100-2048, where a split factor of 1 (the policy's choice: 8 KV
@@ -46,11 +47,12 @@ def shapes(gen: torch.Generator) -> dict[str, tuple[list[int], list[int]]]:
 
 # decode-only batches: (segments, rows, tile, warps, stages, reverse + K as rows); mixed: one segment, rows vary
 DECODE_GRID = [(s, 16, t, w, st, False) for s in (1, 2) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+QUICK_GRID = [(1, 16, t, w, st, False) for t in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 MIXED_GRID = [(1, r, t, w, st, True) for r in (32, 64, 128) for t in (32, 64) for w in (4, 8) for st in (2, 3, 5)
               if not (r == 128 and w == 4)]
 
 
-def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator) -> dict[str, Any]:
+def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick: bool = False) -> dict[str, Any]:
     """The default and every grid point on one step's batch (TB/s of K/V read for decode-only batches)."""
     from pagedllm.plugins.attention.triton_backend import choose_segments
     from pagedllm.plugins.attention.triton_kernels import unified_attention
@@ -72,7 +74,8 @@ def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator) -> dic
     policy = choose_segments(n, kvh, sms) if decode_only else 1
     default_us = run(policy, None)
     rows: list[dict[str, Any]] = []
-    for segments, block_m, tile, warps, stages, flags in (DECODE_GRID if decode_only else MIXED_GRID):
+    for segments, block_m, tile, warps, stages, flags in (
+            (QUICK_GRID if quick else DECODE_GRID) if decode_only else MIXED_GRID):
         row: dict[str, Any] = {"segments": segments, "rows": block_m, "tile_n": tile, "warps": warps,
                                "stages": stages, "reverse_krows": flags}
         try:
@@ -90,11 +93,15 @@ def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator) -> dic
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="decode shapes: one segment, 64 / 128-key tiles only")
+    ap.add_argument("--decode-only", action="store_true", help="skip the mixed prompt-wave shapes")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for name, (ctx, queries) in shapes(gen).items():
-        entry = sweep_shape(ctx, queries, gen)
+        if args.decode_only and sum(queries) != len(ctx):
+            continue
+        entry = sweep_shape(ctx, queries, gen, args.quick)
         result["shapes"][name] = entry
         print(f"{name}: default S={entry['policy_segments']} {entry['default_us']} us ({entry['default_TBps']} "
               "TB/s); best " + "; ".join(f"S={r['segments']} r{r['rows']} t{r['tile_n']} w{r['warps']} s{r['stages']} "

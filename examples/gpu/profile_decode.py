@@ -26,6 +26,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--prompt-len", type=int, default=128, help="context of each decoding request (W2/W5: ~600)")
+    ap.add_argument("--wave", type=int, default=0,
+                    help="then profile one prompt wave: this many fresh prompts beside the decoding batch (W1: 16)")
+    ap.add_argument("--wave-len", type=int, default=1024)
     ap.add_argument("--quantization", default=None,
                     help="dummy packed weights of a checkpoint format, as bench_suite.py's (gptq | awq | gguf-<type>)")
     args = ap.parse_args()
@@ -42,7 +45,7 @@ def main() -> int:
         "model": path, "dtype": "bfloat16", "device": "cuda", "attention": {"backend": "triton"},
         "loader": {"name": "dummy"}, "enforce_eager": args.eager,
         "quantization": {"method": None if qc else args.quantization},
-        "scheduler": {"max_num_seqs": max(256, args.batch), "max_num_batched_tokens": 16384},
+        "scheduler": {"max_num_seqs": max(256, args.batch + args.wave), "max_num_batched_tokens": 16384},
     })
     llm = LLM(config=cfg)
     engine = llm.engine
@@ -102,6 +105,19 @@ def main() -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    if args.wave:  # W1 / W5's prompt waves: fresh prompts beside the decoding batch, one step (eager: no graph)
+        for i in range(args.wave):
+            engine.add_request(f"wave{i}", {"prompt_token_ids": torch.randint(
+                100, 128000, (args.wave_len,), generator=g).tolist()}, params)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as wave_prof:
+            t = time.perf_counter()
+            for _ in range(2):  # with async scheduling the wave may run in the second call
+                engine.step()
+            torch.cuda.synchronize()
+            report["wave_2steps_ms"] = round(1e3 * (time.perf_counter() - t), 3)
+        print(f"two steps, one of them the wave: {args.wave} x {args.wave_len} fresh tokens beside {args.batch} decodes")
+        print(wave_prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
     print("PROFILE_JSON=" + json.dumps(report))
     return 0
 
