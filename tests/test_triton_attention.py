@@ -117,6 +117,13 @@ def test_decode_wide_config(interp: dict[str, Any]) -> None:
     assert interp["decode_wide"]["nan"] == 0 and interp["decode_wide"]["rel"] < 1e-5, interp["decode_wide"]
 
 
+def test_decode_big_config(interp: dict[str, Any]) -> None:
+    """triton_tuning.DECODE_BIG (128-key tiles) at its own tile, plain and as a cascade's suffix kernel, whose
+    shared prefix is then rounded to 128 keys (208 shared -> 128; 100 -> no cascade), against torch."""
+    for name, got in interp["decode_big"].items():
+        assert got["nan"] == 0 and got["rel"] < 1e-5, (name, got)
+
+
 def test_engine_greedy_tokens_match_torch(interp: dict[str, Any]) -> None:
     assert interp["engine"] == {"backends": ["torch", "triton"], "equal": True}
 
@@ -214,13 +221,22 @@ def test_split_policy() -> None:
 
 def test_config_rule() -> None:
     """Launch configurations by new tokens per request (triton_tuning's table)."""
-    from pagedllm.plugins.attention.triton_tuning import DECODE, DECODE_WIDE, MIXED, PREFILL, choose_config
+    from pagedllm.plugins.attention.triton_tuning import (
+        DECODE,
+        DECODE_BIG,
+        DECODE_WIDE,
+        MIXED,
+        PREFILL,
+        choose_config,
+    )
 
     assert choose_config(8 * 2048, 8, 1) is PREFILL
     assert choose_config(391, 3, 1) is PREFILL  # the prefill_rule case above
     assert choose_config(4 * 2048 + 256, 4 + 256, 1) is MIXED  # prefills beside many decodes
     assert choose_config(64, 64, 1) is DECODE_WIDE and choose_config(3 * 64, 64, 1) is DECODE_WIDE  # spec k = 2
     assert choose_config(64, 64, 4) is DECODE  # split-KV keeps the narrow tile
+    assert choose_config(256, 256, 1) is DECODE_BIG and choose_config(255, 255, 1) is DECODE_WIDE
+    assert choose_config(3 * 256, 256, 1) is DECODE_WIDE  # speculative steps: not measured with 128-key tiles
     assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 
 
@@ -343,6 +359,56 @@ def _decode_wide_case() -> dict[str, float]:
     return {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
 
 
+def _decode_big_case() -> dict[str, dict[str, float]]:
+    """DECODE_BIG on decodes ending inside, at and past a 128-key tile; then a cascade batch (page 16, GQA 2:1)
+    whose first 13 blocks (208 keys) are shared, told 208 (aligned to 128; CASCADE_ALIGN's 192 would split a
+    128-key suffix tile and count keys 128-191 twice) or 100 (under 128: no cascade)."""
+    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+
+    results: dict[str, dict[str, float]] = {}
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head, page = 4, 2, 16, 16
+    layer = AttentionLayerConfig(heads, head, kv_heads, head**-0.5, None, None)
+    contexts = [0, 14, 126, 127, 128, 255, 300]
+    n = len(contexts)
+    num_blocks = sum(-(-(c + 1) // page) for c in contexts) + 3
+    common, _ = _batch(contexts, [1] * n, page, num_blocks, gen)
+    cache = torch.randn(2, num_blocks, page, kv_heads, head, generator=gen)
+    q, k, v = (torch.randn(n, h, head, generator=gen) for h in (heads, kv_heads, kv_heads))
+    ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, cache, TorchSDPABackend.build_metadata(common))
+    got = torch.empty_like(q)
+    unified_attention(q, cache, got, common.query_start_loc, common.seq_lens, common.block_table, n, n,
+                      head**-0.5, config=DECODE_BIG)
+    results["plain"] = {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
+
+    share = [1, 1, 0, 1, 1, 0]
+    extra = [3, 130, 40, 1, 77, 9]
+    shared = list(range(1, 14))
+    block_ids, contexts, nxt = [], [], 14
+    for i, e in enumerate(extra):
+        ctx = 208 + e
+        own = -(-(ctx + 1) // page) - (13 if share[i] else 0)
+        block_ids.append((shared if share[i] else []) + list(range(nxt, nxt + own)))
+        nxt += own
+        contexts.append(ctx)
+    n = len(contexts)
+    inputs = prepare_inputs([list(range(c + 1)) for c in contexts], contexts, [1] * n, block_ids, page,
+                            torch.device("cpu"), n)
+    c = inputs.attn
+    cache = torch.randn(2, nxt + 1, page, kv_heads, head, generator=gen)
+    q, k, v = (torch.randn(n, h, head, generator=gen) for h in (heads, kv_heads, kv_heads))
+    ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, cache, TorchSDPABackend.build_metadata(c))
+    for told in (208, 100):
+        got = torch.empty_like(q)
+        cascade = torch.tensor([told, share.index(1), *share], dtype=torch.int32)
+        unified_attention(q, cache, got, c.query_start_loc, c.seq_lens, c.block_table, n, n, head**-0.5,
+                          cascade=cascade, config=DECODE_BIG)
+        results[f"cascade_{told}"] = {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
+    return results
+
+
 def _main() -> None:
     """Child process: run every case under the interpreter, print one JSON line."""
     assert os.environ.get("TRITON_INTERPRET") == "1" and "triton" not in sys.modules
@@ -357,6 +423,7 @@ def _main() -> None:
         }
     results["padding"] = _padding_case()
     results["decode_wide"] = _decode_wide_case()
+    results["decode_big"] = _decode_big_case()
     results["cascade"] = _cascade_case()
     from pagedllm.plugins.attention import triton_kernels
 
@@ -408,6 +475,11 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "          USE_WINDOW=False, SPLIT=False, CASCADE=False, REVERSE=P.reverse, PACK_GQA=P.pack_gqa,\n"
         "          K_ROWS=P.k_rows), {'q_ptr', 'cache_ptr', 'out_ptr'}, P.num_warps, P.num_stages)\n"
         "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
+        "from pagedllm.plugins.attention.triton_tuning import DECODE_BIG as B\n"
+        "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=B.rows // 4, BLOCK_M=B.rows, TILE_N=B.tile_n,\n"
+        "          USE_WINDOW=False, SPLIT=False, CASCADE=True, REVERSE=False, PACK_GQA=True, K_ROWS=False, ALIGN=128),\n"
+        "          {'q_ptr', 'cache_ptr', 'out_ptr'}, B.num_warps, B.num_stages)\n"
+        "assert k.metadata.shared <= 100 * 1024, k.metadata.shared  # 74 KB: three programs per H200 SM\n"
         "print('ok')\n"
     )
     compile_offline(code)

@@ -56,7 +56,8 @@ from pagedllm.plugins.attention.triton_tuning import AttentionConfig, choose_con
 MERGE_HEADS_MIN_ROWS = 4096
 
 # The shared-prefix length a cascade step uses is rounded down to this many keys, so that the prefix kernel's
-# and the suffix kernel's tiles (TILE_N of 16, 32 or 64) both end exactly at it.
+# and the suffix kernel's tiles (TILE_N of 16, 32 or 64) both end exactly at it; a launch whose suffix tile is
+# longer (DECODE_BIG's 128 keys) rounds to its tile instead (the kernels' ALIGN).
 CASCADE_ALIGN = tl.constexpr(64)
 
 
@@ -239,7 +240,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
     CASCADE: tl.constexpr = False, REVERSE: tl.constexpr = False, PACK_GQA: tl.constexpr = True,
-    K_ROWS: tl.constexpr = False,
+    K_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = CASCADE_ALIGN,
 ):
     qblock = tl.program_id(0)
     if REVERSE:  # triton_tuning NOTE 2: each request's longest causal query blocks start first
@@ -280,7 +281,7 @@ def _unified_attention_kernel(
     if USE_WINDOW:
         first = tl.maximum(ctx + local_block * BLOCK_Q - window + 1, 0)
     if CASCADE:  # the shared prefix's keys are _prefix_attention_kernel's (NOTE on cascade below)
-        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
+        prefix = tl.load(cascade_ptr) // ALIGN * ALIGN
         first = tl.where(tl.load(cascade_ptr + 2 + seq) != 0, prefix, 0)
     tile_lo = first // TILE_N
     tile_hi = (last + TILE_N - 1) // TILE_N
@@ -322,7 +323,7 @@ def _unified_attention_kernel(
     # a plain step does; the merge kernel then returns at once (unsplit steps only).
     partial = SPLIT
     if CASCADE:
-        partial = partial or (tl.load(cascade_ptr) // CASCADE_ALIGN > 0)
+        partial = partial or (tl.load(cascade_ptr) // ALIGN > 0)
     if partial:
         # Partials indexed [token, head, segment]: un-normalised acc plus (max, sum) for the merge.
         sidx = (rows * NUM_HEADS + head) * seg_total + segment
@@ -342,7 +343,7 @@ def _prefix_attention_kernel(
     stride_qt, stride_qh, stride_c_kv, stride_c_blk, stride_c_slot, stride_c_h, stride_bt,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ALIGN: tl.constexpr = CASCADE_ALIGN,
 ):
     """Cascade stage 1 for a decode-only batch: the keys every sharing request has in common, read once.
 
@@ -353,7 +354,7 @@ def _prefix_attention_kernel(
     rtile = tl.program_id(0)
     kv_head = tl.program_id(1)
     pseg = tl.program_id(2)
-    prefix = tl.load(cascade_ptr) // CASCADE_ALIGN * CASCADE_ALIGN
+    prefix = tl.load(cascade_ptr) // ALIGN * ALIGN
     if prefix == 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -366,7 +367,7 @@ def _prefix_attention_kernel(
     d_ok = offs_d < HEAD
     q = tl.load(q_ptr + req[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    n_tiles = prefix // TILE_N  # prefix is a multiple of CASCADE_ALIGN, itself a multiple of TILE_N
+    n_tiles = prefix // TILE_N  # prefix is a multiple of ALIGN, itself a multiple of TILE_N
     per_seg = (n_tiles + prefix_segments - 1) // prefix_segments
     tile_lo = pseg * per_seg
     tile_hi = tl.minimum(n_tiles, tile_lo + per_seg)
@@ -395,7 +396,7 @@ def _prefix_attention_kernel(
 def _reduce_segments_kernel(
     out_ptr, seg_out_ptr, seg_max_ptr, seg_sum_ptr, cascade_ptr, stride_ot, stride_oh, num_segments, seg_total,
     NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, CASCADE: tl.constexpr,
-    CHUNK: tl.constexpr, HEADS: tl.constexpr = 1,
+    CHUNK: tl.constexpr, HEADS: tl.constexpr = 1, ALIGN: tl.constexpr = CASCADE_ALIGN,
 ):
     """Merge a row's partial segments, CHUNK at a time in one pass (the counts are run-time values: one
     compiled variant), for HEADS heads of token t per program. One pass with a running maximum: each chunk is
@@ -408,7 +409,7 @@ def _reduce_segments_kernel(
     # shared prefix's partials, written only for sharing rows (row t is request t) and a prefix > 0.
     n_valid = num_segments
     if CASCADE:
-        prefix = tl.load(cascade_ptr) // CASCADE_ALIGN
+        prefix = tl.load(cascade_ptr) // ALIGN
         if num_segments == 1 and prefix == 0:  # the attention kernel wrote the output itself
             return
         n_valid = tl.where((prefix > 0) & (tl.load(cascade_ptr + 2 + t) != 0), seg_total, num_segments)
@@ -464,7 +465,7 @@ def unified_attention(
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
 
     `cascade` (decode-only batches: int32 [P, s, flag_0 .. flag_{B-1}] on the device) runs the cascade: the
-    requests whose flag is set share their first P keys (rounded down to CASCADE_ALIGN), held in request s's
+    requests whose flag is set share their first P keys (rounded down to CASCADE_ALIGN or the tile), held in request s's
     blocks; _prefix_attention_kernel reads them once for all of those (split `prefix_segments` ways), the
     unified kernel the rest per request, and the reduction merges both. P = 0 at run time is a plain step.
 
@@ -490,6 +491,8 @@ def unified_attention(
     tile = 16 if _interpreting() and config is None and not tile_n else cfg.tile_n
     grid = (num_tokens // block_q + num_seqs, kv_heads if cfg.pack_gqa else num_heads, num_segments)
     use_cascade = cascade is not None
+    # The shared prefix ends on a whole suffix tile (and a whole prefix tile): CASCADE_ALIGN or the tile.
+    align = max(CASCADE_ALIGN.value, tile)
     seg_total = num_segments + (prefix_segments if use_cascade else 0)
     if seg_total > 1:
         rows = num_tokens * num_heads * seg_total
@@ -510,12 +513,13 @@ def unified_attention(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade,
-        REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows,
+        REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows, ALIGN=align,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_cascade:
         assert sliding_window is None and num_tokens == num_seqs, "cascade: decode-only batches, no window"
-        assert CASCADE_ALIGN.value % tile == 0, "the suffix kernel's tiles must end at the aligned prefix"
+        prefix_tile = 16 if _interpreting() else 64
+        assert align % tile == 0 and align % prefix_tile == 0, "both kernels' tiles must end at the aligned prefix"
         prefix_m = max(64, triton.next_power_of_2(group))
         _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
             query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,
@@ -523,7 +527,7 @@ def unified_attention(
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
             NUM_HEADS=num_heads, G=group, HEAD=head, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=prefix_m,
-            TILE_N=16 if _interpreting() else 64, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype),
+            TILE_N=prefix_tile, USE_SOFTCAP=soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype), ALIGN=align,
         )
     if seg_total > 1:
         # Heads per merge program: one while the grid is small (a split single stream keeps every head in
@@ -532,6 +536,7 @@ def unified_attention(
         _reduce_segments_kernel[(num_tokens, num_heads // heads)](
             out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1), num_segments, seg_total,
             NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, CASCADE=use_cascade, CHUNK=32, HEADS=heads,
+            ALIGN=align,
         )
     return out
 
