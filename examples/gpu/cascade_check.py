@@ -1,6 +1,7 @@
 """Cascade attention on the GPU: the same greedy tokens with and without it (triton backend, CUDA graphs).
 
     python examples/gpu/cascade_check.py [--out $OUT/cascade.json]
+    python examples/gpu/cascade_check.py --requests 300 --prefix-len 760    # DECODE_BIG's steps, ALIGN 128
 
 A ~100M Llama with a wide random init (peaked logits, so greedy ids are not decided by rounding), float16.
 48 requests: 40 share a 640-token system prefix (prefix caching hands them the same blocks), 8 do not, each
@@ -24,6 +25,8 @@ import torch
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cascade.json"))
+    ap.add_argument("--requests", type=int, default=48, help="5 of every 6 share the prefix")
+    ap.add_argument("--prefix-len", type=int, default=640)
     args = ap.parse_args()
     import transformers
 
@@ -37,11 +40,11 @@ def main() -> int:
                                    max_position_embeddings=4096, initializer_range=0.25, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).to(torch.float16).save_pretrained(root)
     g = torch.Generator().manual_seed(1)
-    prefix = torch.randint(10, 31000, (640,), generator=g).tolist()
+    prefix = torch.randint(10, 31000, (args.prefix_len,), generator=g).tolist()
     prompts = []
-    for i in range(48):
+    for i in range(args.requests):
         suffix = torch.randint(10, 31000, (16 + i % 49,), generator=g).tolist()
-        head = prefix if i % 6 else torch.randint(10, 31000, (640,), generator=g).tolist()
+        head = prefix if i % 6 else torch.randint(10, 31000, (args.prefix_len,), generator=g).tolist()
         prompts.append({"prompt_token_ids": head + suffix})
     # top-2 logprobs: where on and off part, is the off run's top-two gap a near tie (rounding) or not (a bug)?
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=2)
@@ -62,7 +65,8 @@ def main() -> int:
     for mode in ("on", "off"):
         cuda_graphs.CASCADE_MIN_TOKENS = 256 if mode == "on" else 1 << 30
         used.update(steps=0, cascade_steps=0)
-        llm = LLM(root, device="cuda", dtype="float16", attention={"backend": "triton"}, max_num_seqs=64,
+        llm = LLM(root, device="cuda", dtype="float16", attention={"backend": "triton"},
+                  max_num_seqs=max(64, args.requests),
                   max_num_batched_tokens=2048, seed=0)
         # the first request alone, so that the others find its prefix blocks cached
         llm.generate([prompts[1]], SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
