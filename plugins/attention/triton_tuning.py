@@ -8,8 +8,7 @@ fixed counts): the average number of new tokens per request, T / B.
 
     split-KV                 -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
                                          (triton_backend NOTE 1) fills the GPU
-    T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages (NOTE 6)
-    T = B >= 256             -> DECODE_BIG   one token per request, many requests: 128-key tiles, 3 stages (NOTE 7)
+    T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages (NOTE 6; DECODE_BIG: NOTE 7)
     4 < T / B < 128          -> MIXED    64 rows: prefill chunks next to many decodes, whose one-token blocks
                                          would waste most of a taller tile
     T / B >= 128             -> PREFILL  128 rows (32 tokens x 4 heads at G = 4), 8 warps, deep pipeline
@@ -67,11 +66,12 @@ DECODE_WIDE = AttentionConfig(rows=16, tile_n=64, num_warps=4, num_stages=2)
 # (4.16 vs 4.08 TB/s), W5's 288 x U[100, 2048] 293.3 vs 306.4, 512 x U[100, 2048] 519.6 vs 538.2 -- but 64 x 2048
 # 131.0 vs 126.3 (the same-length batch keeps the 64-key tile). Half the loop iterations per request: the
 # fixed work per tile (block-table lookups, the softmax rescale) matters most where many requests' contexts end
-# mid-tile. 74 KB of shared memory (offline sm_90 compile), three programs per SM. Decode-only steps of at least
-# DECODE_BIG_MIN_SEQS requests (the measured batches were 288-512; 64 lost); a cascade step then rounds its
-# shared prefix to 128 keys (triton_kernels' ALIGN).
+# mid-tile. 74 KB of shared memory (offline sm_90 compile), three programs per SM; a cascade launch with it
+# rounds its shared prefix to 128 keys (triton_kernels' ALIGN). NOT in the rule yet: through the engine on
+# another machine (08:43 UTC, decode-only steps of >= 256 requests taking it) W2 gave 20,600 total tok/s and W5
+# 24,052 against 22,772 / 25,189 at 06:15 without it -- beyond the 1-4 % machine spread, so it waits for an
+# A/B on one machine (bench_suite --workloads W2,W5 with and without it) before it becomes the default.
 DECODE_BIG = AttentionConfig(rows=16, tile_n=128, num_warps=4, num_stages=3)
-DECODE_BIG_MIN_SEQS = 256
 # NOTE 4 (measured, H200, examples/gpu/prefill_sweep.py, 2026-11-29 22:07 UTC, bf16, 32/8 heads, head 128):
 #   8 x 2048 causal: rows 64 tile 64 4 warps 2 stages K-as-rows 332.7 TFLOP/s, best of 40 configs (the
 #   128-row, 5-stage entry predicted by NOTE 1: 320.0; the v1 default 320.9); 1 x 8192: the same entry 385.1,
@@ -124,8 +124,6 @@ def choose_config(num_tokens: int, num_seqs: int, num_segments: int) -> Attentio
     """The table entry for a batch of `num_tokens` new tokens over `num_seqs` requests (module docstring)."""
     if num_segments > 1:
         return DECODE
-    if num_tokens == num_seqs >= DECODE_BIG_MIN_SEQS:
-        return DECODE_BIG
     if num_tokens <= num_seqs * MIXED_MIN_TOKENS_PER_REQ:
         return DECODE_WIDE
     if num_tokens >= num_seqs * PREFILL_MIN_TOKENS_PER_REQ:
