@@ -240,6 +240,24 @@ def test_config_rule() -> None:
     assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 
 
+def test_decode_big_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plugins.triton.decode_big_min_seqs` sends decode-only, unsplit steps of that many requests to DECODE_BIG;
+    0 (the default) never does, and a negative value is refused by the options model."""
+    from pagedllm.plugins.attention import triton as plugin
+    from pagedllm.plugins.attention.triton_backend import _decode_big
+    from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
+    assert _decode_big(512, 512, 1) is None
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=256))
+    assert _decode_big(256, 256, 1) is DECODE_BIG
+    assert _decode_big(255, 255, 1) is None  # too few requests
+    assert _decode_big(512, 256, 1) is None  # two tokens per request (speculative steps): not measured
+    assert _decode_big(256, 256, 2) is None  # split-KV keeps DECODE
+    with pytest.raises(Exception, match="decode_big_min_seqs"):
+        plugin.TritonOptions(decode_big_min_seqs=-1)
+
+
 def _padding_case() -> dict[str, bool]:
     from pagedllm.plugins.attention.triton_kernels import reshape_and_cache
 

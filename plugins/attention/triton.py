@@ -31,6 +31,11 @@ class TritonOptions(BaseModel):
         "lost 2-3 % end to end on 1024-token prompts among decodes (W1, W5) while its kernel wins on long prompts "
         "(8 x 2048: 452 vs 333 TFLOP/s; 1 x 8192: 545 vs 418)"
     )
+    decode_big_min_seqs: int = Field(
+        0, ge=0, description="decode-only steps (one token per request, one segment) of at least this many "
+        "requests use 128-key tiles (triton_tuning NOTE 7: per kernel 2-4 % faster on the H200 at 288-512 "
+        "requests, not yet measured through the engine on one machine); 0: never"
+    )
 
 
 # The options of the engine configured last in this process (config_loaded); the backend reads them per step.

@@ -178,6 +178,7 @@ class TritonImpl:
             num_tokens = int(common.query_start_loc_cpu[num_seqs])
             if num_seqs == 0:
                 return out
+        segments = self._segments(metadata)
         unified_attention(
             query,
             kv_cache,
@@ -190,9 +191,10 @@ class TritonImpl:
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
-            num_segments=self._segments(metadata),
+            num_segments=segments,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            config=_decode_big(num_tokens, num_seqs, segments),
             **self._cascade(metadata),
         )
         return out
@@ -266,3 +268,14 @@ class TritonBackend:
     def make_impl(layer: AttentionLayerConfig) -> TritonImpl:
         """One impl per attention layer."""
         return TritonImpl(layer)
+
+
+def _decode_big(num_tokens: int, num_seqs: int, segments: int) -> Any:
+    """triton_tuning.DECODE_BIG for a decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs`
+    requests (off by default: triton_tuning NOTE 7), else None (choose_config's rule). Host integers only."""
+    threshold = triton_plugin.options.decode_big_min_seqs
+    if threshold and segments == 1 and num_tokens == num_seqs >= threshold:
+        from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+
+        return DECODE_BIG
+    return None
