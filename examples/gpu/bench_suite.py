@@ -166,6 +166,7 @@ def start_engine(args: argparse.Namespace, quantization: str | None, utilization
                       "async_scheduling": {"auto": None, "on": True, "off": False}[args.async_scheduling]},
         # A checkpoint-style method comes from config.json; an on-the-fly one (fp8) is forced here.
         "quantization": {"method": None if qc else quantization},
+        **({"plugins": json.loads(args.plugins)} if args.plugins else {}),
     })
     t0 = time.perf_counter()
     llm = LLM(config=cfg)
@@ -247,6 +248,8 @@ def main() -> int:
     ap.add_argument("--compare-bf16", default=None, metavar="WORKLOADS",
                     help="also run the bf16 model on these workloads first (e.g. W3 or W2,W3), same process")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--plugins", default=None, metavar="JSON",
+                    help='plugin options for A/B runs, e.g. \'{"triton": {"decode_big_min_seqs": 256}}\'')
     args = ap.parse_args()
     wanted = args.workloads.split(",")
 
