@@ -144,3 +144,25 @@ def test_gate_up_hook_reaches_the_method_and_declines_cleanly() -> None:
     assert fused_gate_up_act(plain, SiluAndMul(), x) is None  # a method without the hook
     # The W4A16 method declines off CUDA (its kernel is the tensor-core GEMV): the MLP runs gate_up, then SiLU.
     assert PackedIntLinearMethod(GPTQ).apply_act_and_mul(nn.Module(), x, "silu") is None
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_launch_arguments_match_the_kernel_signature(monkeypatch: pytest.MonkeyPatch, gated: bool) -> None:
+    """The host passes exactly the kernel's parameters (a driver launch cannot check them), and the grid and
+    the output shape follow the blocks: N / 64 column blocks, K / (warps x iters x 32) splits, [M, N or N / 2]."""
+    import pagedllm.layers.cuda_rtc as rtc
+
+    params = re.search(r"w4a16_mma_gemv\(([^)]*)\)", mma._source())
+    assert params is not None
+    got: dict[str, object] = {}
+    monkeypatch.setattr(mma, "_kernel_or_error", lambda device, defines: ("kernel", dict(defines)))
+    monkeypatch.setattr(rtc, "launch", lambda kernel, grid, block, args, pdl=False: got.update(
+        kernel=kernel, grid=grid, block=block, args=args))
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    qw = torch.zeros(64, 256, dtype=torch.int32)
+    y = mma.w4a16_mma_gemv(x, GPTQ, qw, torch.zeros(4, 32, dtype=torch.int32), torch.zeros(4, 256, dtype=torch.bfloat16),
+                           256, blocks=mma.MmaBlocks(4, 2, 2), gated=gated)
+    assert len(got["args"]) == len(params.group(1).split(","))  # type: ignore[arg-type]
+    assert got["grid"] == (256 // 64, 512 // (4 * 2 * 32), 1) and got["block"] == (128, 1, 1)
+    assert tuple(y.shape) == (2, 128 if gated else 256)
+    assert got["kernel"][1]["GATED"] == int(gated) and got["kernel"][1]["GI"] == 4  # type: ignore[index]

@@ -123,8 +123,7 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
-// Codes 2b, 2b + 1 of `w` as the 16-bit pair (128 + q) (ZFOLD) or (q - z) (NOTE 2); hi = w >> 4.
-// (w & 0x000F000F) | MAGIC2 as the pair (128 + q, 128 + q') (DQ 1) or (q - z, q' - z)
+// Nibbles 0 and 4 of `w` as the 16-bit pair (128 + q, 128 + q') (ZFOLD) or (q - z, q' - z) (DQ 1, NOTE 2).
 __device__ __forceinline__ u32 low_pair(u32 w, u32 neg_zero) {
     const u32 v = and_or(w, 0x000F000Fu, MAGIC2);
 #if ZFOLD
@@ -134,6 +133,7 @@ __device__ __forceinline__ u32 low_pair(u32 w, u32 neg_zero) {
 #endif
 }
 
+// Codes 2b, 2b + 1 of `w` as the 16-bit pair (128 + q) (ZFOLD) or (q - z) (DQ 0, NOTE 2); hi = w >> 4.
 __device__ __forceinline__ u32 pair(u32 w, u32 hi, u32 sel, u32 neg_zero) {
     const u32 v = and_or(prmt(w, hi, sel), 0x000F000Fu, MAGIC2);
 #if ZFOLD
@@ -188,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_mma_gemv(const u16* __restrict__ x, const u32* __restrict__ qw, const u32* __restrict__ qz,
                const u16* __restrict__ sc, u16* __restrict__ y, float* __restrict__ part,
                u32* __restrict__ tickets, int M, int N, int stride_x, int stride_qz, int stride_s,
-               int total_iters, int group_iters_unused, int zero_offset) {
+               int total_iters, int zero_offset) {
     constexpr int group_iters = GI;  // a constant: the group's index and end are shifts for powers of two
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");

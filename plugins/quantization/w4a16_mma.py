@@ -213,7 +213,7 @@ def w4a16_mma_gemv(
     ticket_buf = tickets(x.device, col_blocks) if splits > 1 else y
     launch(kernel, (col_blocks, splits, 1), (b.warps * 32, 1, 1),
            [flat, qweight, qzeros, scales, y, part, ticket_buf, m, n, flat.stride(0), qzeros.stride(0),
-            scales.stride(0), total_iters, layout.group_size // 32, layout.zero_offset], pdl=bool(b.pdl))
+            scales.stride(0), total_iters, layout.zero_offset], pdl=bool(b.pdl))
     return y.reshape(*x.shape[:-1], n_out)
 
 
