@@ -186,6 +186,6 @@ class PackedIntLinearMethod:
             x = x.index_select(-1, perm)
         qweight, qzeros, scales = (cast(torch.Tensor, getattr(layer, n)) for n in ("qweight", "qzeros", "scales"))
         n = scales.shape[1]
-        if not mma.gated_usable(lay, x.reshape(-1, k), scales, qweight, n):
+        if not mma.usable(lay, x.reshape(-1, k), scales, qweight, n, gated=True):
             return None
         return mma.w4a16_mma_gemv(x, lay, qweight, qzeros, scales, n, gated=True)

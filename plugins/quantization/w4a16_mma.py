@@ -150,15 +150,25 @@ def kernel_error(device: torch.device, dtype: torch.dtype, blocks: MmaBlocks, gr
     return got if isinstance(got, Exception) else None
 
 
-def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> bool:
-    """mma_reason is None and the default blocks' kernel compiled; a compile failure is logged once."""
-    if mma_reason(layout, x, scales, qweight, n) is not None:
+def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int,
+           gated: bool = False) -> bool:
+    """mma_reason (gated: gated_reason) is None and the default blocks' kernel compiled; a compile failure is
+    logged once. `gated`: for the SiLU epilogue (w4a16_mma.cu NOTE 5); $PAGEDLLM_W4A16_MMA gated=0 says no."""
+    if gated and not _env_knobs().get("gated", 1):
+        return False
+    if (gated_reason if gated else mma_reason)(layout, x, scales, qweight, n) is not None:
         return False
     k = x.shape[-1]
-    error = kernel_error(x.device, x.dtype, mma_blocks(layout, x.numel() // k, n, k, x.device), layout.group_size // 32)
+    blocks = _for_epilogue(mma_blocks(layout, x.numel() // k, n, k, x.device), gated)
+    error = kernel_error(x.device, x.dtype, blocks, layout.group_size // 32, gated)
     if error is not None:
         _warn_once(str(error))
     return error is None
+
+
+def _for_epilogue(blocks: MmaBlocks, gated: bool) -> MmaBlocks:
+    """The gated kernel takes 4 columns per lane: a block holds 32 gate and 32 up columns (.cu NOTE 5)."""
+    return blocks._replace(cols=4) if gated else blocks
 
 
 @functools.cache
@@ -186,7 +196,7 @@ def w4a16_mma_gemv(
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype; mma_reason(...) must be None. `out`: a
     contiguous [M, N] tensor of x's dtype to write instead of a new one. `gated`: the weights are [gate | up]
-    and y [..., N / 2] = silu(gate) * up (w4a16_mma.cu NOTE 5; gated_reason(...) must be None)."""
+    and y [..., N / 2] = silu(gate) * up (w4a16_mma.cu NOTE 5; usable(..., gated=True) must hold)."""
     from pagedllm.layers.cuda_rtc import launch
     from pagedllm.layers.split_k import tickets
 
@@ -195,11 +205,9 @@ def w4a16_mma_gemv(
     if flat.stride(-1) != 1 or flat.stride(0) % 8 or flat.data_ptr() % 16:
         flat = flat.clone(memory_format=torch.contiguous_format)  # 16-byte aligned rows for the uint4 loads
     m = flat.shape[0]
-    b = MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device)
+    b = _for_epilogue(MmaBlocks(*blocks) if blocks is not None else mma_blocks(layout, m, n, k, x.device), gated)
     assert b.iters % b.unroll == 0 and (layout.group_size // 32) % b.unroll == 0, b
     assert n % (16 * b.cols) == 0, (n, b)
-    if gated:
-        b = b._replace(cols=4)  # NOTE 5 of the .cu: a half's 32 columns per block
     kernel = _kernel_or_error(x.device, _defines(x.dtype, b, layout.group_size // 32, gated))
     if isinstance(kernel, Exception):
         raise kernel
@@ -222,18 +230,6 @@ def gated_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qw
     if n % 64:
         return f"N = {n} (each half a multiple of 32 columns: blocks of 4 columns per lane)"
     return mma_reason(layout, x, scales, qweight, n)
-
-
-def gated_usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> bool:
-    """usable(...) for the gated kernel (NOTE 2; w4a16_mma.cu NOTE 5); $PAGEDLLM_W4A16_MMA gated=0 says no."""
-    if not _env_knobs().get("gated", 1) or gated_reason(layout, x, scales, qweight, n) is not None:
-        return False
-    k = x.shape[-1]
-    blocks = mma_blocks(layout, x.numel() // k, n, k, x.device)._replace(cols=4)
-    error = kernel_error(x.device, x.dtype, blocks, layout.group_size // 32, gated=True)
-    if error is not None:
-        _warn_once(str(error))
-    return error is None
 
 
 def w4a16_mma_rows(
