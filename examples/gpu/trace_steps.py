@@ -1,6 +1,6 @@
-"""Where W2 / W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
+"""Where W1 / W2 / W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
 
-    python examples/gpu/trace_steps.py [--workloads W2,W4,W5] [--scale 1.0] [--max-num-seqs 1024]
+    python examples/gpu/trace_steps.py [--workloads W1,W2,W4,W5] [--scale 1.0] [--max-num-seqs 1024]
 
 Per engine step it records the host clock at the step's start, the step's shape (tokens, requests, decodes),
 whether the forward replayed a CUDA graph, and two CUDA events around the runner's work (forward + sampler)
@@ -124,7 +124,13 @@ def main() -> int:
                 g["host_ms"] += (recs[i + 1]["t"] - r["t"]) * 1e3
                 g["gpu_ms"] += r["start"].elapsed_time(r["end"])
                 g["idle_after_ms"] += r["end"].elapsed_time(recs[i + 1]["start"])
-        print(f"== {label}: {len(recs)} steps, wall {wall:.2f} s")
+        # The decode tail: steps after the last one that carried a prompt chunk (nothing left to admit).
+        last_mixed = max((i for i, r in enumerate(recs) if r["decodes"] != r["reqs"]), default=-1)
+        tail = recs[last_mixed + 1:]
+        tail_gpu = sum(r["start"].elapsed_time(r["end"]) for r in tail)
+        tail_wall = (tail[-1]["t"] - tail[0]["t"]) * 1e3 if len(tail) > 1 else 0.0
+        print(f"== {label}: {len(recs)} steps, wall {wall:.2f} s; decode tail after the last prompt chunk: "
+              f"{len(tail)} steps, {sum(r['reqs'] for r in tail)} tokens, {tail_gpu:.0f} ms GPU, {tail_wall:.0f} ms host")
         print(f"{'kind':16s} {'steps':>6s} {'tok/step':>9s} {'req/step':>9s} {'host ms':>9s} {'gpu span':>9s} "
               f"{'idle after':>10s} {'host/step':>9s} {'gpu/step':>9s}")
         for kind, g in sorted(groups.items()):
@@ -137,6 +143,9 @@ def main() -> int:
     for wl in args.workloads.split(","):
         if wl == "W4":
             prompts = w4_prompts(max(1, int(1000 * args.scale)))
+            outs = [128] * len(prompts)
+        elif wl == "W1":
+            prompts = [[int(x) for x in r] for r in make_prompts()["W1"][: max(1, int(1000 * args.scale))]]
             outs = [128] * len(prompts)
         elif wl == "W2":
             prompts = [[int(x) for x in r] for r in make_prompts()["W2"][: max(1, int(500 * args.scale))]]
