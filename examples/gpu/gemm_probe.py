@@ -5,9 +5,10 @@
 W1's mixed steps (16,216 tokens on average, 65 of them, 395 ms of GPU each) are ~81 % cuBLAS GEMMs at
 ~720 TFLOP/s. This times the four projections of a Llama-3.1-8B layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096, bf16, weights [out, in] as nn.Linear keeps them) at the step sizes
-W1 runs, as CUDA-graph replays of one call, three ways: torch's default cuBLAS call, with cuBLASLt
-preferred, and through TunableOp (every cuBLAS/cuBLASLt candidate timed for the exact shape, the fastest
-kept). It also times M rounded up to a multiple of 256 (tile quantization: is a ragged M slower per row?).
+W1 runs (and decode-step sizes), as CUDA-graph replays and as eager launches: torch's default cuBLAS call;
+with TunableOp enabled but not tuning (its "Default" op: the same gemm_internal call); the default again
+(drift); and TunableOp tuning (every candidate timed for the exact shape, the fastest kept). The first run
+(P25) found TunableOp faster while it chose "Default" for every shape: this separates the path from the choice.
 """
 
 from __future__ import annotations
@@ -27,7 +28,23 @@ from fused_ops_bench import graph_us  # noqa: E402
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
-def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str) -> dict[str, Any]:
+def eager_us(fn: Any, calls: int = 10) -> float:
+    """Device microseconds per call of fn launched eagerly (as the engine's mixed steps run), median of 5."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[2]
+
+
+def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str, eager: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in ms:
         row: dict[str, float] = {}
@@ -36,7 +53,8 @@ def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str) -> dict[s
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
             F.linear(x, w)  # TunableOp tunes on the first eager call (not inside a capture)
             torch.cuda.synchronize()
-            us = graph_us(lambda x=x, w=w: F.linear(x, w), calls=4, iters=10)
+            fn = lambda x=x, w=w: F.linear(x, w)  # noqa: E731
+            us = eager_us(fn) if eager else graph_us(fn, calls=4, iters=10)
             flop = 2.0 * m * w.shape[0] * w.shape[1]
             row[name] = round(flop / us / 1e6, 1)
             total_us += us
@@ -57,14 +75,20 @@ def main() -> int:
     torch.manual_seed(0)
     weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02 for k, (kk, n) in SHAPES.items()}
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print("preferred blas:", torch.backends.cuda.preferred_blas_library(), flush=True)
     result["default"] = sweep(ms, weights, "default")
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    result["cublaslt"] = sweep(ms, weights, "cublaslt")
-    torch.backends.cuda.preferred_blas_library("cublas")
+    result["default_eager"] = sweep(ms, weights, "def-eager", eager=True)
+    # TunableOp on, tuning off: unseen shapes take its "Default" op (the same cuBLAS call) through its path.
+    torch.cuda.tunable.enable(True)
+    torch.cuda.tunable.tuning_enable(False)
+    torch.cuda.tunable.write_file_on_exit(False)
+    result["tunable_notune"] = sweep(ms, weights, "notune")
+    result["tunable_notune_eager"] = sweep(ms, weights, "nt-eager", eager=True)
+    torch.cuda.tunable.enable(False)
+    result["default2"] = sweep(ms, weights, "default")
     torch.cuda.tunable.enable(True)
     torch.cuda.tunable.tuning_enable(True)
     torch.cuda.tunable.set_max_tuning_duration(200)
-    torch.cuda.tunable.set_filename(os.path.join(os.path.dirname(os.path.abspath(args.out)), "tunableop%d.csv"))
     result["tunableop"] = sweep(ms, weights, "tunableop")
     result["tunableop_choices"] = [str(r) for r in torch.cuda.tunable.get_results()]
     torch.cuda.tunable.tuning_enable(False)
