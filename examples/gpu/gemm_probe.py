@@ -1,6 +1,7 @@
 """How fast are a W1 prompt wave's GEMMs, and does any cuBLAS choice beat the default? (issue 5, perf-notes §17)
 
-    python examples/gpu/gemm_probe.py --out $OUT/gemm.json      # H200, ~1-2 minutes
+    python examples/gpu/gemm_probe.py --out $OUT/gemm.json      # H200, ~1 minute
+    python examples/gpu/gemm_probe.py --modes default --ms 16384,16256,... --best-budget 16000:16900
 
 W1's mixed steps (16,216 tokens on average, 65 of them, 395 ms of GPU each) are ~81 % cuBLAS GEMMs at
 ~720 TFLOP/s. This times the four projections of a Llama-3.1-8B layer (qkv 4096->6144, o 4096->4096,
@@ -69,6 +70,9 @@ def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str, eager: bo
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="16216,16384,16880,8192,768,512")
+    ap.add_argument("--modes", default="default,eager,notune,tuned", help="comma list, run in this order")
+    ap.add_argument("--best-budget", default="", help="write the fastest M of this range (lo:hi) to the file --best-out")
+    ap.add_argument("--best-out", default="best_budget.txt")
     ap.add_argument("--out", default="gemm_probe.json")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
@@ -76,24 +80,24 @@ def main() -> int:
     weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02 for k, (kk, n) in SHAPES.items()}
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print("preferred blas:", torch.backends.cuda.preferred_blas_library(), flush=True)
-    result["default"] = sweep(ms, weights, "default")
-    result["default_eager"] = sweep(ms, weights, "def-eager", eager=True)
-    # TunableOp on, tuning off: unseen shapes take its "Default" op (the same cuBLAS call) through its path.
-    torch.cuda.tunable.enable(True)
-    torch.cuda.tunable.tuning_enable(False)
-    torch.cuda.tunable.write_file_on_exit(False)
-    result["tunable_notune"] = sweep(ms, weights, "notune")
-    result["tunable_notune_eager"] = sweep(ms, weights, "nt-eager", eager=True)
+    for mode in args.modes.split(","):
+        # notune: TunableOp on, tuning off -- unseen shapes take its "Default" op (the same cuBLAS call)
+        # through its path; tuned: every candidate timed for the exact shape, the fastest kept.
+        torch.cuda.tunable.enable(mode in ("notune", "tuned"))
+        torch.cuda.tunable.tuning_enable(mode == "tuned")
+        if mode == "tuned":
+            torch.cuda.tunable.set_max_tuning_duration(200)
+        result[mode] = sweep(ms, weights, mode, eager=mode == "eager")
+        if mode == "tuned":
+            result["tuned_choices"] = [str(r) for r in torch.cuda.tunable.get_results()]
     torch.cuda.tunable.enable(False)
-    result["default2"] = sweep(ms, weights, "default")
-    torch.cuda.tunable.enable(True)
-    torch.cuda.tunable.tuning_enable(True)
-    torch.cuda.tunable.set_max_tuning_duration(200)
-    result["tunableop"] = sweep(ms, weights, "tunableop")
-    result["tunableop_choices"] = [str(r) for r in torch.cuda.tunable.get_results()]
-    torch.cuda.tunable.tuning_enable(False)
-    torch.cuda.tunable.enable(False)
-    result["default_again"] = sweep(ms[:1], weights, "default")
+    if args.best_budget:
+        lo, hi = (int(v) for v in args.best_budget.split(":"))
+        rows = result["default"]
+        best = max((m for m in ms if lo <= m <= hi), key=lambda m: rows[str(m)]["layer_tflops"])
+        print(f"best budget in [{lo}, {hi}]: {best} ({rows[str(best)]['layer_tflops']} TFLOP/s per layer)")
+        with open(args.best_out, "w") as f:
+            f.write(str(best))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
