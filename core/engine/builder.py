@@ -280,6 +280,10 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     )
     if device.type == "cuda" and options.cuda_graphs:
         runner.capture_cuda_graphs()
+    if device.type == "cuda":
+        t_warm = time.perf_counter()
+        kinds = runner.warm_up()  # compile-on-first-use kernels compile now (model_runner NOTE 3)
+        logger.info("warmed up %d kinds of step in %.1fs", len(kinds), time.perf_counter() - t_warm)
     parts = EngineParts(
         config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
         device, dtype, selections, time.perf_counter() - t0, tp_size=tp_size, capacity=capacity,

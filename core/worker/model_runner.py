@@ -29,6 +29,13 @@ broadcasts its ids over the group, in-stream (NCCL on GPUs, gloo on the CPU), in
 next step gathers its placeholders from. Remote ranks skip the sampler: their inputs, states and KV cache
 hold rank 0's tokens without a host round trip and without rank 0's previous output in the step message
 (the synchronous path's adoption, tp_worker.py NOTE 1).
+
+Warm-up (NOTE 3). Triton compiles a kernel the first time a launch configuration is used, and the triton
+attention backend picks its configuration by the step's shape (triton_tuning.choose_config): decode-only,
+decodes beside a prompt chunk, prompts. Graph capture and the profiling step reach only some of them, so
+the first mixed step of a fresh process compiled inside the first requests' time -- measured on the H200 as
+a first benchmark process 1.3-2 % slower on W1 than the next ones on the same machine (docs/perf-notes.md
+§17). `warm_up` runs each kind of step once on the null block at start-up, as vLLM's start-up warm-up does.
 """
 
 from __future__ import annotations
@@ -448,18 +455,20 @@ class ModelRunner:
         more_groups: list[GroupBlockIds] | None = None,
         fill: Callable[[torch.Tensor], None] | None = None,
         table_caches: list[BlockTableCache] | None = None,
+        use_graphs: bool = True,
     ) -> tuple[StepInputs, torch.Tensor]:
         """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors.
 
         `block_ids` are KV-cache group 0's per request; `more_groups` the other groups' (hybrid models);
-        `fill` rewrites the input ids on the device before the model reads them (NOTE 1).
+        `fill` rewrites the input ids on the device before the model reads them (NOTE 1); `use_graphs` False
+        runs a decode-only step eagerly even where a graph would fit (warm_up).
         """
         more = more_groups or ()
         inputs: StepInputs | None = None
         if self._buffers is not None:
             host = plan_inputs(token_ids, computed, num_sched, block_ids, self.block_size, num_decodes, more,
                                table_caches)
-            replay = self._graphs.run(host, fill) if self._graphs is not None else None
+            replay = self._graphs.run(host, fill) if self._graphs is not None and use_graphs else None
             if replay is not None:
                 return replay
             if self._buffers.fits(host):
@@ -478,6 +487,44 @@ class ModelRunner:
                 fill(inputs.input_ids)
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
+
+
+    @torch.inference_mode()
+    def warm_up(self) -> list[str]:
+        """Run one eager forward (and its logits) of each kind of step the scheduler makes, so that kernels
+        which compile on first use -- Triton's JIT builds one binary per launch configuration, and the
+        attention rule picks its configuration by step shape -- do it at start-up, not inside the first
+        requests' steps (NOTE 3). Every position maps to the null block 0 (never read for real requests, as
+        in graph capture), so the KV cache's blocks 1.. are untouched. Returns the kinds run; none for models
+        with state layers or several KV-cache groups (their steps need per-request state slots and tables).
+        """
+        if len(self.block_sizes) > 1 or any(isinstance(getattr(m, "spec", None), MambaSpec)
+                                            for m in self.model.modules()):
+            return []
+        opts = self.options
+        seqs, budget, ctx = opts.max_num_seqs, opts.max_num_tokens, min(64, opts.max_model_len - 1)
+        # (kind, tokens already computed per request, tokens scheduled per request, leading decodes)
+        kinds: list[tuple[str, list[int], list[int], int]] = [
+            ("decode, few requests (split-KV)", [ctx] * min(2, seqs), [1] * min(2, seqs), min(2, seqs)),
+            ("decode, many requests", [ctx] * min(256, seqs, budget), [1] * min(256, seqs, budget),
+             min(256, seqs, budget)),
+        ]
+        if seqs >= 4 and budget > 3 + 16:
+            chunk = min(64, budget - 3, opts.max_model_len)
+            kinds.append(("decodes beside a prompt chunk", [ctx] * 3 + [0], [1] * 3 + [chunk], 3))
+        prompt = min(128, budget // min(2, seqs), opts.max_model_len)
+        kinds.append(("prompts", [0] * min(2, seqs), [prompt] * min(2, seqs), 0))
+        if opts.max_model_len > 2 * prompt and budget >= prompt:
+            kinds.append(("a later chunk of a prompt", [prompt], [prompt], 0))
+        for _, computed, sched, decodes in kinds:
+            lens = [c + s for c, s in zip(computed, sched, strict=True)]
+            token_ids = [[0] * n for n in lens]
+            block_ids = [[0] * -(-n // self.block_size) for n in lens]
+            inputs, hidden = self._forward(token_ids, computed, sched, block_ids, decodes, use_graphs=False)
+            self.model.compute_logits(hidden[inputs.logits_indices[: len(lens)]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return [kind for kind, *_ in kinds]
 
 
 @torch.inference_mode()
