@@ -2,6 +2,7 @@
 
     python examples/gpu/prefill_sweep.py --out $OUT/prefill_sweep.json        # H200, ~80-140 s
     python examples/gpu/prefill_sweep.py --unified-grid --budget 260 --out $OUT/p.json  # + unified full grid
+    python examples/gpu/prefill_sweep.py --cases w1wave --out $OUT/w1wave.json  # one case (~40-60 s)
     python examples/gpu/prefill_sweep.py --dry-run --out /tmp/prefill.json    # CPU, Triton interpreter
 
 Two kernels: the unified paged kernel (triton_kernels.py, K/V gathered from the pages; its table entries, the
@@ -12,6 +13,7 @@ Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blo
   8x2048   8 fresh prefills of 2048 tokens, causal          (275 GFLOP: docs/perf-notes.md 1b)
   1x8192   one fresh prefill of 8192 tokens                  (550 GFLOP)
   mixed    4 fresh prefills of 2048 + 256 decodes at a 2048-token context, decodes first as the engine
+  w1wave   480 decodes at 1024..1151-token contexts + 16 fresh prompts of 1024 (a W1 mixed step)
            orders them (137.5 + 8.6 GFLOP; the decodes also read 2.1 GB of K/V)
 FLOPs = 4 x (visible query-key pairs) x 32 heads x 128: masked-out work is not counted.
 
@@ -68,6 +70,8 @@ def gpu_shape() -> Shape:
         "8x2048": ([0] * 8, [2048] * 8),
         "1x8192": ([0], [8192]),
         "mixed": ([2047] * 256 + [0] * 4, [1] * 256 + [2048] * 4),
+        # A W1 mixed step (perf-notes §17): ~480 decodes at contexts 1024..1151 beside 16 fresh 1024-token prompts.
+        "w1wave": ([1024 + (7 * i) % 128 for i in range(480)] + [0] * 16, [1] * 480 + [1024] * 16),
     })
 
 
@@ -76,6 +80,7 @@ def dry_shape() -> Shape:
         "8x2048": ([0] * 2, [160] * 2),
         "1x8192": ([0], [300]),
         "mixed": ([39] * 4 + [0] * 2, [1] * 4 + [140] * 2),
+        "w1wave": ([20 + 3 * i for i in range(6)] + [0] * 2, [1] * 6 + [100] * 2),
     })
 
 
@@ -216,15 +221,14 @@ def reference(shape: Shape, case: dict[str, Any]) -> torch.Tensor:
         qr = q_all[start:start + qn].transpose(0, 1)[None]
         out[start:start + qn] = F.scaled_dot_product_attention(qr, k, v, is_causal=True)[0].transpose(0, 1)
         start += qn
-    if decodes:
-        seqs = {s for _, _, s in decodes}
-        assert len(seqs) == 1, "decodes of one context length"
-        seq = seqs.pop()
-        rows = torch.tensor([r for r, _, _ in decodes], device=q_all.device)
-        blk = torch.tensor([b for _, b, _ in decodes], device=q_all.device)  # [D, blocks]
+    for seq in sorted({s for _, _, s in decodes}):  # one SDPA call per context length
+        same = [(r, b) for r, b, s in decodes if s == seq]
+        rows = torch.tensor([r for r, _ in same], device=q_all.device)
+        width = max(len(b) for _, b in same)
+        blk = torch.tensor([b + [0] * (width - len(b)) for _, b in same], device=q_all.device)  # [D, blocks]
         k, v = (cache[i][blk].flatten(1, 2)[:, :seq].float().transpose(1, 2) for i in (0, 1))  # [D, kv, seq, d]
         # One query token, no mask: a KV head's G query heads are just G query rows against its keys.
-        qd = q_all[rows].view(len(decodes), shape.kv_heads, group, shape.head)
+        qd = q_all[rows].view(len(same), shape.kv_heads, group, shape.head)
         out[rows] = F.scaled_dot_product_attention(qd, k, v).flatten(1, 2)
     return out
 
@@ -261,10 +265,11 @@ def time_ms(fn: Any, dry: bool, iters: int = 20, warmup: int = 3) -> float:
     return float(h200_check.time_ms(fn, iters=iters, warmup=warmup))
 
 
-def _precompile(unified_grid: bool, indices: list[int]) -> None:
-    """Worker: run each of its configs once on every case, so Triton's on-disk cache holds the binaries."""
+def _precompile(unified_grid: bool, indices: list[int], names: list[str]) -> None:
+    """Worker: run each of its configs once on every case named, so Triton's on-disk cache holds the binaries."""
     shape, configs = gpu_shape(), grid(False, unified_grid)
-    cases = [build_case(shape, ctx, qs, seed) for seed, (ctx, qs) in enumerate(shape.cases.values())]
+    cases = [build_case(shape, ctx, qs, seed) for seed, (name, (ctx, qs)) in enumerate(shape.cases.items())
+             if name in names]
     for i in indices:
         for case in cases:
             if not applies(configs[i], case):
@@ -276,29 +281,32 @@ def _precompile(unified_grid: bool, indices: list[int]) -> None:
     torch.cuda.synchronize()
 
 
-def precompile(n_configs: int, unified_grid: bool) -> float:
+def precompile(n_configs: int, unified_grid: bool, names: list[str]) -> float:
     t = time.time()
     workers = max(1, min(12, (os.cpu_count() or 2) - 2, n_configs))
     chunks = [list(range(i, n_configs, workers)) for i in range(workers)]
     try:
         with mp.get_context("spawn").Pool(workers) as pool:
-            pool.starmap_async(_precompile, [(unified_grid, c) for c in chunks]).get(timeout=110)
+            pool.starmap_async(_precompile, [(unified_grid, c, names) for c in chunks]).get(timeout=110)
     except Exception as exc:  # noqa: BLE001 - the timing process then compiles what is missing itself
         print(f"precompile failed ({type(exc).__name__}: {exc}); compiling in the timing process", flush=True)
     return time.time() - t
 
 
 def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: float, dry: bool,
-                fresh: bool) -> dict[str, Any]:
+                route: str) -> dict[str, Any]:
     """TritonImpl.forward as the engine calls it (reshape_and_cache of the step's K/V, then the kernels), the
-    fresh route as build_metadata decides (`fresh`) or switched off; checked, then timed."""
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    fresh route as build_metadata decides (`route` "rule"), switched off ("off"), or taken by any fresh run
+    (`"any"`: as with plugins.triton.fresh_prefill_min_tokens at its floor); checked, then timed."""
+    from pagedllm.plugins.attention.triton_backend import TritonBackend, fresh_run_start
     from pagedllm.protocols.attention import AttentionLayerConfig
 
     layer = AttentionLayerConfig(shape.heads, shape.head, shape.kv_heads, shape.head**-0.5)
     impl, md = TritonBackend.make_impl(layer), TritonBackend.build_metadata(case["common"])
-    if not fresh:
+    if route == "off":
         md.fresh_from = None
+    elif route == "any":
+        md.fresh_from = fresh_run_start(case["common"], 0)
     # forward rewrites the step's K/V at their slots: the same values (build_case), so the cache stays as checked
     def run() -> torch.Tensor:
         return impl.forward(case["q"], case["k"], case["v"], case["cache"], md)
@@ -314,6 +322,10 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+# The engine-path rows: key, fresh route (forward_row), label in the tables.
+FORWARD_ROWS = (("forward", "rule"), ("fwd-paged", "off"), ("fwd-fresh", "any"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="prefill_sweep.json")
@@ -321,9 +333,12 @@ def main() -> None:
     ap.add_argument("--no-precompile", action="store_true", help="compile in the timing process (slower)")
     ap.add_argument("--unified-grid", action="store_true", help="also the unified kernel's full grid (+~60 s)")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds after which configs are skipped")
+    ap.add_argument("--cases", default="", help="comma list of case names (default: all)")
     args = ap.parse_args()
     dry = args.dry_run
     shape = dry_shape() if dry else gpu_shape()
+    if args.cases:
+        shape = replace(shape, cases={k: v for k, v in shape.cases.items() if k in args.cases.split(",")})
     configs = grid(dry, args.unified_grid)
     results: dict[str, Any] = {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(),
                                "torch": torch.__version__, "configs": [asdict(c) for c in configs], "cases": {}}
@@ -336,7 +351,7 @@ def main() -> None:
                         "PREFILL_MIN_TOKENS_PER_REQ": tt.PREFILL_MIN_TOKENS_PER_REQ,
                         "FRESH_PREFILL": asdict(tt.FRESH_PREFILL), "FRESH_MIN_QUERY_LEN": tt.FRESH_MIN_QUERY_LEN}
     if not dry and not args.no_precompile:
-        results["precompile_s"] = round(precompile(len(configs), args.unified_grid), 1)
+        results["precompile_s"] = round(precompile(len(configs), args.unified_grid, list(shape.cases)), 1)
         print(f"[{time.time() - T0:6.1f}s] precompiled {len(configs)} configs", flush=True)
 
     cases = {name: build_case(shape, ctx, qs, seed) for seed, (name, (ctx, qs)) in enumerate(shape.cases.items())}
@@ -364,8 +379,8 @@ def main() -> None:
 
     for name in cases:  # the rule's default and the engine path first: always measured
         results["cases"][name]["default"] = measure(name, None)
-        for key, fresh in (("forward", True), ("fwd-paged", False)):
-            results["cases"][name][key] = forward_row(shape, cases[name], refs[name], work[name], dry, fresh)
+        for key, route in FORWARD_ROWS:
+            results["cases"][name][key] = forward_row(shape, cases[name], refs[name], work[name], dry, route)
     skipped = 0
     for config in configs:
         if not dry and time.time() - T0 > args.budget:
@@ -410,7 +425,8 @@ def print_tables(results: dict[str, Any]) -> None:
         d = res["default"]
         if "ms" in d:
             print(f"   {'default':<8} {'(unified rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
-        for key, what in (("forward", "(TritonImpl.forward)"), ("fwd-paged", "(forward, fresh off)")):
+        for key, what in (("forward", "(TritonImpl.forward)"), ("fwd-paged", "(forward, fresh off)"),
+                          ("fwd-fresh", "(forward, fresh any)")):
             f = res[key]
             if "ms" in f:
                 routed = "paged only" if f["fresh_from"] is None else \
