@@ -53,6 +53,11 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
     "prefill_per_head_window_fp16": ([9, 0, 5], [1, 250, 140], {
         "window": 37, "dtype": "float16", "prefill": {"pack_gqa": False, "k_rows": False, "reverse": False}}, 5e-3),
     "prefill_soft_cap": ([0, 7], [200, 90], {"soft_cap": 2.0, "prefill": {"k_rows": False}}, 1e-5),
+    # triton_backend NOTE 5: the decodes as their own launch, the rest over views from request 3 on (a fresh
+    # prompt, a chunk after cached tokens), and with the rest under the PREFILL rule
+    "split_decodes_mixed": ([5, 8, 12, 0, 5], [1, 1, 1, 7, 6], {"split_decodes": 3}, 1e-5),
+    "split_decodes_prefill_fp16": ([9, 20, 0, 5], [1, 1, 250, 140], {"split_decodes": 2, "dtype": "float16"},
+                                   5e-3),
 }
 
 
@@ -162,6 +167,7 @@ def _run_both(
     segments: int | None = None,
     seed: int = 0,
     prefill: dict[str, Any] | None = None,
+    split_decodes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both backends on one random batch; `prefill` overrides fields of triton_tuning.PREFILL for the call."""
     from dataclasses import replace
@@ -187,6 +193,7 @@ def _run_both(
     ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
     md = TritonBackend.build_metadata(common)
     md.num_segments = segments
+    md.split_decodes = split_decodes
     default = triton_tuning.PREFILL
     triton_tuning.PREFILL = replace(default, **(prefill or {}))
     try:
@@ -256,6 +263,25 @@ def test_decode_big_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _decode_big(256, 256, 2) is None  # split-KV keeps DECODE
     with pytest.raises(Exception, match="decode_big_min_seqs"):
         plugin.TritonOptions(decode_big_min_seqs=-1)
+
+
+def test_split_decodes_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plugins.triton.split_decodes_min` splits a step with prompt tokens and that many decodes (NOTE 5); never a
+    decode-only step, never below the threshold, never when 0 (the default). The rebased offsets start at 0."""
+    from pagedllm.plugins.attention import triton as plugin
+    from pagedllm.plugins.attention.triton_backend import TritonBackend
+
+    gen = torch.Generator().manual_seed(0)
+    mixed, _ = _batch([5, 8, 12, 0], [1, 1, 1, 7], 4, 16, gen)
+    decodes, _ = _batch([5, 8, 12], [1, 1, 1], 4, 16, gen)
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
+    assert TritonBackend.build_metadata(mixed).split_decodes is None
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(split_decodes_min=3))
+    md = TritonBackend.build_metadata(mixed)
+    assert md.split_decodes == 3 and md.rest_query_start_loc().tolist() == [0, 7]
+    assert TritonBackend.build_metadata(decodes).split_decodes is None
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(split_decodes_min=4))
+    assert TritonBackend.build_metadata(mixed).split_decodes is None
 
 
 def _padding_case() -> dict[str, bool]:

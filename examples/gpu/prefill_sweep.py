@@ -296,8 +296,9 @@ def precompile(n_configs: int, unified_grid: bool, names: list[str]) -> float:
 def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: float, dry: bool,
                 route: str) -> dict[str, Any]:
     """TritonImpl.forward as the engine calls it (reshape_and_cache of the step's K/V, then the kernels), the
-    fresh route as build_metadata decides (`route` "rule"), switched off ("off"), or taken by any fresh run
-    (`"any"`: as with plugins.triton.fresh_prefill_min_tokens at its floor); checked, then timed."""
+    fresh route as build_metadata decides (`route` "rule"), switched off ("off"), taken by any fresh run
+    ("any": as with plugins.triton.fresh_prefill_min_tokens at its floor), or the decodes split into their own
+    launch ("split", plugins.triton.split_decodes_min); checked, then timed."""
     from pagedllm.plugins.attention.triton_backend import TritonBackend, fresh_run_start
     from pagedllm.protocols.attention import AttentionLayerConfig
 
@@ -307,6 +308,9 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
         md.fresh_from = None
     elif route == "any":
         md.fresh_from = fresh_run_start(case["common"], 0)
+    elif route == "split":  # triton_backend NOTE 5: the decodes as their own launch, fresh route off
+        md.fresh_from = None
+        md.split_decodes = case["common"].num_decodes or None
     # forward rewrites the step's K/V at their slots: the same values (build_case), so the cache stays as checked
     def run() -> torch.Tensor:
         return impl.forward(case["q"], case["k"], case["v"], case["cache"], md)
@@ -323,7 +327,7 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
 
 
 # The engine-path rows: key, fresh route (forward_row), label in the tables.
-FORWARD_ROWS = (("forward", "rule"), ("fwd-paged", "off"), ("fwd-fresh", "any"))
+FORWARD_ROWS = (("forward", "rule"), ("fwd-paged", "off"), ("fwd-fresh", "any"), ("fwd-split", "split"))
 
 
 def main() -> None:
@@ -426,7 +430,7 @@ def print_tables(results: dict[str, Any]) -> None:
         if "ms" in d:
             print(f"   {'default':<8} {'(unified rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
         for key, what in (("forward", "(TritonImpl.forward)"), ("fwd-paged", "(forward, fresh off)"),
-                          ("fwd-fresh", "(forward, fresh any)")):
+                          ("fwd-fresh", "(forward, fresh any)"), ("fwd-split", "(forward, decodes apart)")):
             f = res[key]
             if "ms" in f:
                 routed = "paged only" if f["fresh_from"] is None else \

@@ -37,6 +37,12 @@ class TritonOptions(BaseModel):
         "requests, not yet measured through the engine on one machine); 0: never"
     )
 
+    split_decodes_min: int = Field(
+        0, ge=0, description="a step with prompt tokens and at least this many decodes attends in two launches: "
+        "the decodes with the decode configuration, the rest with its own (triton_backend NOTE 5: one mixed launch "
+        "runs the decodes in 64-row programs); 0: one launch"
+    )
+
 
 # The options of the engine configured last in this process (config_loaded); the backend reads them per step.
 options = TritonOptions()

@@ -44,6 +44,17 @@ q <= cuda_graph_max_query_len < FRESH_MIN_QUERY_LEN (so the capture's dummy step
 is not routed). Not with an fp8 cache (the kernel would attend to the
 unrounded K/V, unlike the unified kernel's), with a head the kernel lacks (not a power of two), or when the
 config's `plugins.triton.fresh_prefill` is false.
+
+NOTE 5 (decodes in their own launch, `plugins.triton.split_decodes_min`). One launch of the unified kernel
+takes one launch configuration for the whole step, chosen by tokens per request: a W1 step (~480 decodes
+beside 16 fresh 1024-token prompts, 34 tokens per request) gets MIXED, whose programs hold 64 query rows --
+16 tokens x 4 heads -- so a decode's program computes its scores 16x over on the tensor cores for the 4 rows it
+keeps. Split, the decodes (the batch's first requests) run as their own launch, picked by the same rule as a
+decode-only step (DECODE_WIDE, 16 rows), and the rest as a second launch over views of the step's tensors from
+the first non-decode request on, with query_start_loc rebased to 0 (one small device op per step, cached in
+the metadata) -- the kernel itself is unchanged. What one launch had and two lose: decode programs (memory-
+bound) and prompt programs (compute-bound) sharing the SMs. Off by default until measured on the H200
+(examples/gpu/prefill_sweep.py's w1wave case, then W1/W5 end to end).
 """
 
 from __future__ import annotations
@@ -77,6 +88,18 @@ class TritonMetadata:
     fresh_from: int | None = None
     # Device block plans of the fresh run, per rows-per-block (built by the first layer, shared by the rest).
     fresh_plans: dict[int, torch.Tensor] = field(default_factory=dict)
+    # NOTE 5: the leading decodes run as their own launch (None: one launch for the step).
+    split_decodes: int | None = None
+    _rest_qsl: torch.Tensor | None = None
+
+    def rest_query_start_loc(self) -> torch.Tensor:
+        """query_start_loc of the requests after the split decodes, rebased to start at 0 (NOTE 5); built by
+        the first layer, shared by the rest."""
+        if self._rest_qsl is None:
+            assert self.split_decodes is not None
+            qsl = self.common.query_start_loc
+            self._rest_qsl = qsl[self.split_decodes :] - qsl[self.split_decodes]
+        return self._rest_qsl
 
     def fresh_plan(self, block_q: int) -> torch.Tensor:
         """The fresh run's block plan for `block_q` query tokens per block (triton_prefill.plan_blocks)."""
@@ -160,7 +183,7 @@ class TritonImpl:
         metadata: TritonMetadata,
     ) -> torch.Tensor:
         """Write key/value at metadata's slots, then attend causally over each request's whole context."""
-        from pagedllm.plugins.attention.triton_kernels import reshape_and_cache, unified_attention
+        from pagedllm.plugins.attention.triton_kernels import reshape_and_cache
 
         common = metadata.common
         num_tokens = common.num_actual_tokens
@@ -178,26 +201,32 @@ class TritonImpl:
             num_tokens = int(common.query_start_loc_cpu[num_seqs])
             if num_seqs == 0:
                 return out
+        split = metadata.split_decodes
+        if split is not None and split < num_seqs:  # NOTE 5: the decodes, then the rest over views of the step
+            self._unified(query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table,
+                          split, split, 1, metadata)
+            self._unified(query[split:], kv_cache, out[split:], metadata.rest_query_start_loc(),
+                          common.seq_lens[split:], common.block_table[split:], num_seqs - split,
+                          num_tokens - split, 1, metadata)
+            return out
         segments = self._segments(metadata)
-        unified_attention(
-            query,
-            kv_cache,
-            out,
-            common.query_start_loc,
-            common.seq_lens,
-            common.block_table,
-            num_seqs=num_seqs,
-            num_tokens=num_tokens,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap,
-            num_segments=segments,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
-            config=_decode_big(num_tokens, num_seqs, segments),
-            **self._cascade(metadata),
-        )
+        self._unified(query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table, num_seqs,
+                      num_tokens, segments, metadata, **self._cascade(metadata))
         return out
+
+    def _unified(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor, block_table: torch.Tensor, num_seqs: int, num_tokens: int, segments: int,
+        md: TritonMetadata, **cascade: Any,
+    ) -> None:
+        from pagedllm.plugins.attention.triton_kernels import unified_attention
+
+        unified_attention(
+            query, kv_cache, out, query_start_loc, seq_lens, block_table, num_seqs=num_seqs, num_tokens=num_tokens,
+            scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap, num_segments=segments,
+            k_scale=self.k_scale, v_scale=self.v_scale, config=_decode_big(num_tokens, num_seqs, segments),
+            **cascade,
+        )
 
     def _fresh_ok(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether this layer sends a step's fresh run to the fresh-prefill kernel (NOTE 4)."""
@@ -262,7 +291,10 @@ class TritonBackend:
         decode_only = common.num_reqs > 0 and common.num_decodes == common.num_reqs
         options = triton_plugin.options
         fresh_from = fresh_run_start(common, options.fresh_prefill_min_tokens) if options.fresh_prefill else None
-        return TritonMetadata(common, decode_only, _num_sms(common.block_table.device), fresh_from=fresh_from)
+        threshold = options.split_decodes_min
+        split = common.num_decodes if threshold and not decode_only and common.num_decodes >= threshold else None
+        return TritonMetadata(common, decode_only, _num_sms(common.block_table.device), fresh_from=fresh_from,
+                              split_decodes=split)
 
     @staticmethod
     def make_impl(layer: AttentionLayerConfig) -> TritonImpl:
