@@ -7,6 +7,7 @@ from typing import Any, cast
 import torch
 
 from pagedllm.layers.dense_gemv import dense_linear
+from pagedllm.layers.gated_gemm import maybe_gated_gemm
 from pagedllm.layers.weight_utils import default_weight_loader, set_weight_attrs
 
 
@@ -15,6 +16,8 @@ class UnquantizedLinearMethod:
 
     `dense_gemv` (set per layer by dense_gemv.set_dense_gemv, from the engine config) sends decode-sized
     products on CUDA to the Triton GEMV (dense_gemv.py says when); off, every product is F.linear.
+    `apply_act_and_mul` takes a [gate | up] layer's prompt-sized products to the gated GEMM when
+    PAGEDLLM_GATED_GEMM is on (gated_gemm.py says when).
     """
 
     dense_gemv: bool = False
@@ -37,6 +40,11 @@ class UnquantizedLinearMethod:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x @ W^T (+ bias)."""
         return dense_linear(x, cast(torch.Tensor, layer.weight), bias, self.dense_gemv)
+
+    def apply_act_and_mul(self, layer: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """act(gate) * up of this [gate | up] layer from one kernel, or None: the caller runs apply and the
+        activation (core/protocols/quantization.py)."""
+        return maybe_gated_gemm(x, cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias), activation)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Nothing to repack for dense weights."""

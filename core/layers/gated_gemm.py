@@ -1,0 +1,81 @@
+"""When a dense [gate | up] layer runs the gated GEMM (gated_gemm_kernel.py): act(gate) * up in its epilogue.
+
+    the switch                   PAGEDLLM_GATED_GEMM=1 (off by default: not yet measured on the H200,
+                                 perf-notes §17e item 3; on, every large enough call takes it)
+    x on CUDA, sm_90+, triton    TMA descriptors; the CPU and older GPUs keep cuBLAS + act_and_mul
+    x and W one 16-bit dtype     no bias; W [2I, K] contiguous, x rows contiguous and 16-byte aligned
+    rows M >= GATED_GEMM_MIN_M   prompt-sized steps (decode steps stay in their CUDA graphs on cuBLAS, or on
+                                 the decode GEMV)
+    I % BN == 0, K % 8 == 0      the gate and up halves split on a tile boundary; TMA's 16-byte row pitch
+
+This module imports no triton: the kernel module is imported on the first call that takes it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from pagedllm.layers.fused_ops import triton_available
+
+GATED_GEMM_MIN_M = 2048
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+class GatedGemmConfig(NamedTuple):
+    """One launch configuration of the kernel (examples/gpu/gated_gemm_sweep.py sweeps them)."""
+
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# Two 128-column accumulators make the tile as wide as cuBLAS's 128 x 256. Offline (Triton 3.9, sm_90a): 193
+# registers, no spills, 147 KB of shared memory at 3 stages (196 KB at 4). Not yet measured on the H200.
+DEFAULT_CONFIG = GatedGemmConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+
+
+def gated_gemm_on() -> bool:
+    """Whether PAGEDLLM_GATED_GEMM switches the kernel on (read per call: A/B runs flip it in one process)."""
+    return os.environ.get("PAGEDLLM_GATED_GEMM", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def unusable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> str | None:
+    """Why this call cannot take the gated GEMM (None: it can), the switch aside."""
+    cfg = DEFAULT_CONFIG
+    if activation not in ACTIVATIONS:
+        return f"activation {activation!r}"
+    if bias is not None:
+        return "bias"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "needs CUDA sm_90+ (TMA)"
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        return f"dtypes {x.dtype} / {weight.dtype}"
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows < GATED_GEMM_MIN_M:
+        return f"{rows} rows < {GATED_GEMM_MIN_M}"
+    if weight.dim() != 2 or weight.shape[1] != k or weight.shape[0] % 2 or (weight.shape[0] // 2) % cfg.bn:
+        return f"weight {tuple(weight.shape)} is not [gate | up] halves of a multiple of {cfg.bn} rows"
+    if k % 8 or not weight.is_contiguous() or not x.is_contiguous() or x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return "layout (K % 8, contiguous, 16-byte aligned)"
+    return None
+
+
+def maybe_gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str) -> torch.Tensor | None:
+    """act(x @ W_gate^T) * (x @ W_up^T) from the gated GEMM when switched on and usable, else None."""
+    if not gated_gemm_on() or not x.is_cuda or not triton_available():
+        return None
+    if unusable_reason(x, weight, bias, activation) is not None:
+        return None
+    from pagedllm.layers.gated_gemm_kernel import gated_gemm
+
+    k = x.shape[-1]
+    out = gated_gemm(x.reshape(-1, k), weight, activation)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,88 @@
+"""act(x @ W_gate^T) * (x @ W_up^T) in one Triton kernel: a [gate | up] GEMM with SiLU-and-mul in its epilogue.
+
+Imported on the first call (it imports triton); gated_gemm.py decides when it runs.
+
+One program computes a [BM, BN] tile of the [M, I] output: per K step it loads the activation tile once
+(TMA, [BM, BK]) and two weight tiles -- rows off_n.. of the gate half and I + off_n.. (HALF) of the up half of the
+[2I, K] weight as nn.Linear stores it, so no repacking -- and keeps two fp32 accumulators on the tensor cores.
+Per tile that is a [BM, 2 * BN] GEMM tile's work, reading the same bytes as cuBLAS's gate_up GEMM, but the
+[M, 2I] gate_up product is never written and read back: at W1's 16,384 rows that round trip (940 MB written
+by the GEMM, read by act_and_mul, plus act_and_mul's launch) is ~0.33 ms per layer, 2.7 % of a prompt step
+(perf-notes §16e). Whether that pays depends on the main loop keeping up with cuBLAS (~700 TFLOP/s here).
+
+NOTE 1 (rounding): the unfused path rounds each GEMM output to the model dtype, then computes act(gate) in
+float32, rounds it, and multiplies by up (triton_ops.act_and_mul NOTE 1). The epilogue rounds at the same
+places, so the only difference left is the GEMM's summation order.
+
+NOTE 2 (grouped tile order): consecutive programs walk GROUP_M row tiles of one column band before moving on,
+so a band of weight tiles is re-read from L2 by GROUP_M programs instead of from HBM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
+
+
+@triton.jit
+def _gated_gemm_kernel(
+    a_desc, w_desc, c_desc, M, HALF, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(HALF, BN)
+    per_group = GROUP_M * num_pid_n  # NOTE 2
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([off_m, k * BK])
+        g = w_desc.load([off_n, k * BK])
+        u = w_desc.load([HALF + off_n, k * BK])
+        acc_g = tl.dot(a, g.T, acc_g)
+        acc_u = tl.dot(a, u.T, acc_u)
+
+    dtype = c_desc.dtype
+    gate = acc_g.to(dtype).to(tl.float32)  # NOTE 1: the GEMM's outputs, rounded as the unfused path stores them
+    up = acc_u.to(dtype).to(tl.float32)
+    if GELU_TANH:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * z))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    c_desc.store([off_m, off_n], (act.to(dtype).to(tl.float32) * up).to(dtype))
+
+
+_GELU = {"silu": False, "gelu_tanh": True}
+
+
+def gated_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu",
+               config: GatedGemmConfig | None = None) -> torch.Tensor:
+    """act(x @ weight[:I]^T) * (x @ weight[I:]^T) for x [M, K] and weight [2I, K] (both row-major, one dtype);
+    returns [M, I]. The caller (gated_gemm.py) has checked the shapes the kernel needs: I % BN == 0, K % 8 == 0."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = config or DEFAULT_CONFIG
+    m, k = x.shape
+    i = weight.shape[0] // 2
+    out = torch.empty(m, i, dtype=x.dtype, device=x.device)
+    a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.bm, cfg.bk])
+    w_desc = TensorDescriptor(weight, [2 * i, k], [weight.stride(0), 1], [cfg.bn, cfg.bk])
+    c_desc = TensorDescriptor(out, [m, i], [out.stride(0), 1], [cfg.bm, cfg.bn])
+    grid = (triton.cdiv(m, cfg.bm) * (i // cfg.bn),)
+    _gated_gemm_kernel[grid](
+        a_desc, w_desc, c_desc, m, i, k,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GELU_TANH=_GELU[activation],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
