@@ -19,14 +19,17 @@ from offline_compile import PTXAS_SM90A, compile_offline  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-# name -> (M, K, I, dtype, activation, (bm, bn, bk, group_m)); relative L2 tolerance by dtype below
-CASES: dict[str, tuple[int, int, int, str, str, tuple[int, int, int, int]]] = {
+# name -> (M, K, I, dtype, activation, (bm, bn, bk, group_m, persistent)); relative L2 tolerance by dtype below
+CASES: dict[str, tuple[int, int, int, str, str, tuple[int, int, int, int, bool]]] = {
     # a partial last row tile, 3 column tiles, a partial group of row tiles (grouped order, NOTE 2)
-    "silu_fp32_tails": (70, 48, 48, "float32", "silu", (32, 16, 16, 2)),
-    "silu_fp16": (64, 64, 32, "float16", "silu", (32, 16, 32, 8)),
-    "gelu_tanh_fp16": (40, 32, 16, "float16", "gelu_tanh", (16, 16, 16, 1)),
+    "silu_fp32_tails": (70, 48, 48, "float32", "silu", (32, 16, 16, 2, False)),
+    "silu_fp16": (64, 64, 32, "float16", "silu", (32, 16, 32, 8, False)),
+    "gelu_tanh_fp16": (40, 32, 16, "float16", "gelu_tanh", (16, 16, 16, 1, False)),
     # K not a multiple of BK: the descriptor's zero fill past K
-    "silu_fp32_k_tail": (33, 40, 32, "float32", "silu", (16, 32, 16, 4)),
+    "silu_fp32_k_tail": (33, 40, 32, "float32", "silu", (16, 32, 16, 4, False)),
+    # persistent (NOTE 3): 3 programs over 9 tiles (3 each, the last group partial), and over fewer tiles
+    "persistent_fp32": (70, 48, 48, "float32", "silu", (32, 16, 16, 2, True)),
+    "persistent_fp16_few_tiles": (20, 32, 32, "float16", "silu", (16, 32, 16, 8, True)),
 }
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 
@@ -74,25 +77,26 @@ def test_rule_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_default_config_compiles_for_sm90() -> None:
-    """DEFAULT_CONFIG through Triton's sm_90 compiler: tensor-core wgmma, TMA loads, shared memory within an SM's
-    227 KB, no spills in ptxas for sm_90a."""
+    """DEFAULT_CONFIG, plain and persistent, through Triton's sm_90 compiler: tensor-core wgmma, TMA loads,
+    shared memory within an SM's 227 KB, no spills in ptxas for sm_90a."""
     code = PTXAS_SM90A + (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from pagedllm.layers.gated_gemm import DEFAULT_CONFIG as c\n"
-        "from pagedllm.layers.gated_gemm_kernel import _gated_gemm_kernel as fn\n"
-        "sig = {'a_desc': f'tensordesc<bf16[{c.bm},{c.bk}]>', 'w_desc': f'tensordesc<bf16[{c.bn},{c.bk}]>',\n"
-        "       'c_desc': f'tensordesc<bf16[{c.bm},{c.bn}]>', 'M': 'i32', 'HALF': 'i32', 'K': 'i32'}\n"
-        "cons = dict(BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, GELU_TANH=False)\n"
-        "sig.update({k: 'constexpr' for k in cons})\n"
-        "keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
-        "k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
-        "                   options={'num_warps': c.num_warps, 'num_stages': c.num_stages})\n"
-        "ptx = k.asm['ptx']\n"
-        "assert 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx\n"
-        "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
-        "print(ptxas_sm90a(k), k.metadata.shared)\n"
+        "from pagedllm.layers import gated_gemm_kernel as g\n"
+        "for fn, extra in ((g._gated_gemm_kernel, {}), (g._gated_gemm_persistent_kernel, {'NUM_PROGRAMS': 132})):\n"
+        "    sig = {'a_desc': f'tensordesc<bf16[{c.bm},{c.bk}]>', 'w_desc': f'tensordesc<bf16[{c.bn},{c.bk}]>',\n"
+        "           'c_desc': f'tensordesc<bf16[{c.bm},{c.bn}]>', 'M': 'i32', 'HALF': 'i32', 'K': 'i32'}\n"
+        "    cons = dict(BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, GELU_TANH=False, **extra)\n"
+        "    sig.update({k: 'constexpr' for k in cons})\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options={'num_warps': c.num_warps, 'num_stages': c.num_stages})\n"
+        "    ptx = k.asm['ptx']\n"
+        "    assert 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx\n"
+        "    assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
+        "    print(fn.__name__, ptxas_sm90a(k), k.metadata.shared)\n"
         "print('ok')\n"
     )
     compile_offline(code)
@@ -109,11 +113,12 @@ def _main() -> None:
     torch.set_num_threads(1)
     results = {}
     gen = torch.Generator().manual_seed(0)
-    for name, (m, k, half, dtype, activation, (bm, bn, bk, group)) in CASES.items():
+    for name, (m, k, half, dtype, activation, (bm, bn, bk, group, persistent)) in CASES.items():
         dt = getattr(torch, dtype)
         x = torch.randn(m, k, generator=gen).to(dt)
         w = (torch.randn(2 * half, k, generator=gen) * 0.25).to(dt)
-        got = gated_gemm(x, w, activation, GatedGemmConfig(bm, bn, bk, num_warps=4, num_stages=2, group_m=group))
+        cfg = GatedGemmConfig(bm, bn, bk, num_warps=4, num_stages=2, group_m=group, persistent=persistent)
+        got = gated_gemm(x, w, activation, cfg)
         ref = _reference(x, w, activation)
         results[name] = {"nan": int(torch.isnan(got).sum()),
                          "rel": float((got.float() - ref.float()).norm() / ref.float().norm())}

@@ -33,6 +33,7 @@ class GatedGemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     group_m: int = 8
+    persistent: bool = False  # gated_gemm_kernel NOTE 3
 
 
 # Two 128-column accumulators make the tile as wide as cuBLAS's 128 x 256. Offline (Triton 3.9, sm_90a): 193

@@ -16,6 +16,13 @@ places, so the only difference left is the GEMM's summation order.
 
 NOTE 2 (grouped tile order): consecutive programs walk GROUP_M row tiles of one column band before moving on,
 so a band of weight tiles is re-read from L2 by GROUP_M programs instead of from HBM.
+
+NOTE 3 (persistent variant, config `persistent`): with two 128 x 128 fp32 accumulators a program holds ~193
+registers a thread at 8 warps, so one program per SM, and a one-tile program's epilogue (rounding, the
+activation, the TMA store) leaves the tensor cores idle. The persistent kernel runs one program per SM over
+many tiles, its tile and K loops flattened (Triton's tl.range(flatten=True)), so the pipeliner issues the next
+tile's loads during the epilogue -- how Triton's Hopper matmul tutorial hides part of it. Which wins is the
+sweep's question (examples/gpu/gated_gemm_sweep.py).
 """
 
 from __future__ import annotations
@@ -28,30 +35,16 @@ from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
 
 
 @triton.jit
-def _gated_gemm_kernel(
-    a_desc, w_desc, c_desc, M, HALF, K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(HALF, BN)
-    per_group = GROUP_M * num_pid_n  # NOTE 2
-    first_m = (pid // per_group) * GROUP_M
+def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the tile_id-th program in the grouped order (NOTE 2)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // per_group) * GROUP_M
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    off_m = pid_m * BM
-    off_n = pid_n * BN
+    return first_m + (tile_id % per_group) % group_rows, (tile_id % per_group) // group_rows
 
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BK)):
-        a = a_desc.load([off_m, k * BK])
-        g = w_desc.load([off_n, k * BK])
-        u = w_desc.load([HALF + off_n, k * BK])
-        acc_g = tl.dot(a, g.T, acc_g)
-        acc_u = tl.dot(a, u.T, acc_u)
 
+@triton.jit
+def _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH: tl.constexpr):
     dtype = c_desc.dtype
     gate = acc_g.to(dtype).to(tl.float32)  # NOTE 1: the GEMM's outputs, rounded as the unfused path stores them
     up = acc_u.to(dtype).to(tl.float32)
@@ -61,6 +54,47 @@ def _gated_gemm_kernel(
     else:
         act = gate / (1.0 + tl.exp(-gate))
     c_desc.store([off_m, off_n], (act.to(dtype).to(tl.float32) * up).to(dtype))
+
+
+@triton.jit
+def _gated_gemm_kernel(
+    a_desc, w_desc, c_desc, M, HALF, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
+):
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(HALF, BN), GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([off_m, k * BK])
+        acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
+        acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
+    _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH)
+
+
+@triton.jit
+def _gated_gemm_persistent_kernel(
+    a_desc, w_desc, c_desc, M, HALF, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """NOTE 3: one program per SM walks tiles NUM_PROGRAMS apart; the tile and K loops are flattened into one
+    software pipeline, so the next tile's first loads are in flight during this tile's epilogue."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(HALF, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(k_tiles):
+            a = a_desc.load([off_m, k * BK])
+            acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
+            acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
+        _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH)
 
 
 _GELU = {"silu": False, "gelu_tanh": True}
@@ -79,10 +113,18 @@ def gated_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu",
     a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.bm, cfg.bk])
     w_desc = TensorDescriptor(weight, [2 * i, k], [weight.stride(0), 1], [cfg.bn, cfg.bk])
     c_desc = TensorDescriptor(out, [m, i], [out.stride(0), 1], [cfg.bm, cfg.bn])
-    grid = (triton.cdiv(m, cfg.bm) * (i // cfg.bn),)
-    _gated_gemm_kernel[grid](
-        a_desc, w_desc, c_desc, m, i, k,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GELU_TANH=_GELU[activation],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tiles = triton.cdiv(m, cfg.bm) * (i // cfg.bn)
+    meta = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GELU_TANH=_GELU[activation],
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.persistent:
+        programs = min(tiles, _num_sms(x.device))
+        _gated_gemm_persistent_kernel[(programs,)](a_desc, w_desc, c_desc, m, i, k, NUM_PROGRAMS=programs, **meta)
+    else:
+        _gated_gemm_kernel[(tiles,)](a_desc, w_desc, c_desc, m, i, k, **meta)
     return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # interpreter runs: few programs, so each walks several tiles
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

@@ -24,10 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from fused_ops_bench import graph_us  # noqa: E402
 
-CONFIGS = [  # (bm, bn, bk, warps, stages, group_m); the first is DEFAULT_CONFIG
-    (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 8, 3, 16), (128, 128, 64, 8, 3, 4),
-    (128, 128, 32, 8, 4, 8), (128, 64, 64, 4, 4, 8), (128, 64, 64, 8, 4, 8), (256, 64, 64, 8, 3, 8),
-    (64, 128, 64, 4, 4, 8), (128, 128, 64, 4, 3, 8),
+CONFIGS = [  # (bm, bn, bk, warps, stages, group_m, persistent); the first is DEFAULT_CONFIG
+    (128, 128, 64, 8, 3, 8, False), (128, 128, 64, 8, 4, 8, False), (128, 128, 64, 8, 3, 16, False),
+    (128, 128, 64, 8, 3, 4, False), (128, 128, 32, 8, 4, 8, False), (128, 64, 64, 4, 4, 8, False),
+    (128, 64, 64, 8, 4, 8, False), (256, 64, 64, 8, 3, 8, False), (64, 128, 64, 4, 4, 8, False),
+    (128, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True), (128, 64, 64, 4, 4, 8, True),
+    (256, 64, 64, 8, 3, 8, True),
 ]
 
 
@@ -60,9 +62,10 @@ def main() -> int:
                                        "TFLOPs": round(flop / base_us / 1e6, 1)},
                                       {"what": "cuBLAS GEMM alone", "us": round(gemm_us, 1),
                                        "TFLOPs": round(flop / gemm_us / 1e6, 1)}]
-        for bm, bn, bk, warps, stages, group in CONFIGS:
-            cfg = GatedGemmConfig(bm, bn, bk, warps, stages, group)
-            row: dict[str, Any] = {"what": f"gated {bm}x{bn}x{bk} w{warps} s{stages} g{group}"}
+        for bm, bn, bk, warps, stages, group, persistent in CONFIGS:
+            cfg = GatedGemmConfig(bm, bn, bk, warps, stages, group, persistent)
+            row: dict[str, Any] = {"what": f"gated {bm}x{bn}x{bk} w{warps} s{stages} g{group}"
+                                           + (" persistent" if persistent else "")}
             try:
                 got = gated_gemm(x, w, "silu", cfg)
                 row["rel"] = float((got.float() - ref.float()).norm() / ref.float().norm())
