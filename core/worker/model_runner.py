@@ -488,7 +488,6 @@ class ModelRunner:
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
 
-
     @torch.inference_mode()
     def warm_up(self) -> list[str]:
         """Run one eager forward (and its logits) of each kind of step the scheduler makes, so that kernels

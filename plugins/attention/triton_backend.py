@@ -204,20 +204,20 @@ class TritonImpl:
         split = metadata.split_decodes
         if split is not None and split < num_seqs:  # NOTE 5: the decodes, then the rest over views of the step
             self._unified(query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table,
-                          split, split, 1, metadata)
+                          split, split, 1)
             self._unified(query[split:], kv_cache, out[split:], metadata.rest_query_start_loc(),
                           common.seq_lens[split:], common.block_table[split:], num_seqs - split,
-                          num_tokens - split, 1, metadata)
+                          num_tokens - split, 1)
             return out
         segments = self._segments(metadata)
         self._unified(query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table, num_seqs,
-                      num_tokens, segments, metadata, **self._cascade(metadata))
+                      num_tokens, segments, **self._cascade(metadata))
         return out
 
     def _unified(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor, block_table: torch.Tensor, num_seqs: int, num_tokens: int, segments: int,
-        md: TritonMetadata, **cascade: Any,
+        **cascade: Any,
     ) -> None:
         from pagedllm.plugins.attention.triton_kernels import unified_attention
 
