@@ -45,16 +45,23 @@ def eager_us(fn: Any, calls: int = 10) -> float:
     return sorted(times)[2]
 
 
-def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str, eager: bool = False) -> dict[str, Any]:
+def bmm_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T as a batch of one (cuBLAS's strided-batched GEMM, not the mm path F.linear takes)."""
+    return torch.bmm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
+
+
+def sweep(ms: list[int], weights: dict[str, torch.Tensor], label: str, eager: bool = False,
+          bmm: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in ms:
         row: dict[str, float] = {}
         total_us, total_flop = 0.0, 0.0
         for name, w in weights.items():
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            F.linear(x, w)  # TunableOp tunes on the first eager call (not inside a capture)
+            op = bmm_linear if bmm else F.linear
+            op(x, w)  # TunableOp tunes on the first eager call (not inside a capture)
             torch.cuda.synchronize()
-            fn = lambda x=x, w=w: F.linear(x, w)  # noqa: E731
+            fn = lambda x=x, w=w, op=op: op(x, w)  # noqa: E731
             us = eager_us(fn) if eager else graph_us(fn, calls=4, iters=10)
             flop = 2.0 * m * w.shape[0] * w.shape[1]
             row[name] = round(flop / us / 1e6, 1)
@@ -82,12 +89,13 @@ def main() -> int:
     print("preferred blas:", torch.backends.cuda.preferred_blas_library(), flush=True)
     for mode in args.modes.split(","):
         # notune: TunableOp on, tuning off -- unseen shapes take its "Default" op (the same cuBLAS call)
-        # through its path; tuned: every candidate timed for the exact shape, the fastest kept.
+        # through its path; tuned: every candidate timed for the exact shape, the fastest kept; bmm: the same
+        # product as a strided-batched GEMM of one (another cuBLAS entry point and heuristic).
         torch.cuda.tunable.enable(mode in ("notune", "tuned"))
         torch.cuda.tunable.tuning_enable(mode == "tuned")
         if mode == "tuned":
             torch.cuda.tunable.set_max_tuning_duration(200)
-        result[mode] = sweep(ms, weights, mode, eager=mode == "eager")
+        result[mode] = sweep(ms, weights, mode, eager=mode == "eager", bmm=mode == "bmm")
         if mode == "tuned":
             result["tuned_choices"] = [str(r) for r in torch.cuda.tunable.get_results()]
     torch.cuda.tunable.enable(False)
