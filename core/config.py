@@ -163,6 +163,12 @@ class EngineConfig(_Section):
         "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py; W3 "
         "4.86 -> 4.24 ms/token there); false: always cuBLAS",
     )
+    gated_gemm: bool = Field(
+        False,
+        description="on CUDA (sm_90+), a dense [gate | up] layer's prompt-sized products (>= 2048 rows) run one "
+        "Triton GEMM with SiLU/GELU-and-mul in its epilogue instead of cuBLAS then the activation kernel "
+        "(layers/gated_gemm.py); off until measured on the H200",
+    )
     gc_threshold: int | None = Field(
         50_000,
         ge=1,

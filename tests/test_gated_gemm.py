@@ -58,22 +58,30 @@ def test_kernel_matches_the_unfused_path(interp: dict[str, Any], case: str) -> N
 
 
 def test_rule_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.layers.gated_gemm import gated_gemm_on, maybe_gated_gemm, unusable_reason
+    """Why a call cannot take the kernel; the per-layer switch from the engine config (env PAGEDLLM_GATED_GEMM
+    is the config key's override); off it the method declines before looking."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.layers.gated_gemm import maybe_gated_gemm, set_gated_gemm, unusable_reason
     from pagedllm.layers.unquantized import UnquantizedLinearMethod
 
     x, w = torch.randn(4096, 64), torch.randn(256, 64)
-    monkeypatch.delenv("PAGEDLLM_GATED_GEMM", raising=False)
-    assert not gated_gemm_on()
-    monkeypatch.setenv("PAGEDLLM_GATED_GEMM", "1")
-    assert gated_gemm_on()
     assert unusable_reason(x, w, None, "relu") == "activation 'relu'"
     assert unusable_reason(x, w, torch.zeros(256), "silu") == "bias"
     assert unusable_reason(x, w, None, "silu") == "needs CUDA sm_90+ (TMA)"
     assert maybe_gated_gemm(x, w, None, "silu") is None  # the CPU keeps the unfused path
+    assert EngineConfig().gated_gemm is False
+    monkeypatch.setenv("PAGEDLLM_GATED_GEMM", "true")
+    assert EngineConfig.from_dict({}).gated_gemm is True
+
+    method = UnquantizedLinearMethod()
     layer = torch.nn.Module()
+    layer.quant_method = method  # type: ignore[assignment]
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
-    layer.bias = None
-    assert UnquantizedLinearMethod().apply_act_and_mul(layer, x, "silu") is None
+    layer.register_parameter("bias", None)
+    model = torch.nn.Sequential(layer)
+    assert set_gated_gemm(model, False) == 1 and method.apply_act_and_mul(layer, x, "silu") is None
+    assert set_gated_gemm(model, True) == 1 and method.gated_gemm
+    assert method.apply_act_and_mul(layer, x, "silu") is None  # on, but the CPU declines
 
 
 def test_default_config_compiles_for_sm90() -> None:

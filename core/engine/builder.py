@@ -27,6 +27,7 @@ from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.layers.dense_gemv import set_dense_gemv
 from pagedllm.layers.fused_ops import set_cpu_ops, set_fused_ops
+from pagedllm.layers.gated_gemm import set_gated_gemm
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
 from pagedllm.protocols.executor import ExecutorContext
@@ -208,6 +209,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     set_fused_ops(model, "auto" if config.fused_ops else "off")
     # The Triton decode GEMV for dense 16-bit linears (CUDA only); `dense_gemv: false` is the A/B switch.
     set_dense_gemv(model, config.dense_gemv)
+    # SiLU/GELU-and-mul in a prompt-sized gate_up GEMM's epilogue (CUDA sm_90+ only); off until measured.
+    set_gated_gemm(model, config.gated_gemm)
     if config.fused_ops and device.type == "cpu" and dtype == torch.float32 and getattr(quant_config, "cpu_fused_ops", False):
         # NOTE: the CPU's C kernels (norm, rotary, SiLU-and-mul, decode attention) are not bit-identical to
         # torch, so only a method whose outputs already differ from the float model asks for them

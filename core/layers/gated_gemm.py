@@ -1,7 +1,8 @@
 """When a dense [gate | up] layer runs the gated GEMM (gated_gemm_kernel.py): act(gate) * up in its epilogue.
 
-    the switch                   PAGEDLLM_GATED_GEMM=1 (off by default: not yet measured on the H200,
-                                 perf-notes §17e item 3; on, every large enough call takes it)
+    the layer's switch on        `gated_gemm` on its method, set by `set_gated_gemm` from the engine config's
+                                 `gated_gemm` (PAGEDLLM_GATED_GEMM=true; off by default: not yet measured on
+                                 the H200, perf-notes §17e item 3)
     x on CUDA, sm_90+, triton    TMA descriptors; the CPU and older GPUs keep cuBLAS + act_and_mul
     x and W one 16-bit dtype     no bias; W [2I, K] contiguous, x rows contiguous and 16-byte aligned
     rows M >= GATED_GEMM_MIN_M   prompt-sized steps (decode steps stay in their CUDA graphs on cuBLAS, or on
@@ -13,10 +14,10 @@ This module imports no triton: the kernel module is imported on the first call t
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from pagedllm.layers.fused_ops import triton_available
 
@@ -41,13 +42,22 @@ class GatedGemmConfig(NamedTuple):
 DEFAULT_CONFIG = GatedGemmConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
 
 
-def gated_gemm_on() -> bool:
-    """Whether PAGEDLLM_GATED_GEMM switches the kernel on (read per call: A/B runs flip it in one process)."""
-    return os.environ.get("PAGEDLLM_GATED_GEMM", "0").strip().lower() in ("1", "true", "on", "yes")
+def set_gated_gemm(model: nn.Module, enabled: bool) -> int:
+    """Switch the gated GEMM on or off for every dense linear of `model` (as dense_gemv.set_dense_gemv: per
+    layer, so two engines in one process may differ); returns the count."""
+    from pagedllm.layers.unquantized import UnquantizedLinearMethod
+
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedLinearMethod):
+            method.gated_gemm = enabled
+            count += 1
+    return count
 
 
 def unusable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> str | None:
-    """Why this call cannot take the gated GEMM (None: it can), the switch aside."""
+    """Why this call cannot take the gated GEMM (None: it can)."""
     cfg = DEFAULT_CONFIG
     if activation not in ACTIVATIONS:
         return f"activation {activation!r}"
@@ -70,8 +80,9 @@ def unusable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def maybe_gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      activation: str) -> torch.Tensor | None:
-    """act(x @ W_gate^T) * (x @ W_up^T) from the gated GEMM when switched on and usable, else None."""
-    if not gated_gemm_on() or not x.is_cuda or not triton_available():
+    """act(x @ W_gate^T) * (x @ W_up^T) from the gated GEMM when usable, else None (the caller has checked
+    the layer's switch)."""
+    if not x.is_cuda or not triton_available():
         return None
     if unusable_reason(x, weight, bias, activation) is not None:
         return None

@@ -16,11 +16,12 @@ class UnquantizedLinearMethod:
 
     `dense_gemv` (set per layer by dense_gemv.set_dense_gemv, from the engine config) sends decode-sized
     products on CUDA to the Triton GEMV (dense_gemv.py says when); off, every product is F.linear.
-    `apply_act_and_mul` takes a [gate | up] layer's prompt-sized products to the gated GEMM when
-    PAGEDLLM_GATED_GEMM is on (gated_gemm.py says when).
+    `gated_gemm` (set by gated_gemm.set_gated_gemm, from the engine config) sends a [gate | up] layer's
+    prompt-sized products on CUDA to the gated GEMM through `apply_act_and_mul` (gated_gemm.py says when).
     """
 
     dense_gemv: bool = False
+    gated_gemm: bool = False
 
     def create_weights(
         self,
@@ -44,6 +45,8 @@ class UnquantizedLinearMethod:
     def apply_act_and_mul(self, layer: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
         """act(gate) * up of this [gate | up] layer from one kernel, or None: the caller runs apply and the
         activation (core/protocols/quantization.py)."""
+        if not self.gated_gemm:
+            return None
         return maybe_gated_gemm(x, cast(torch.Tensor, layer.weight), cast(torch.Tensor | None, layer.bias), activation)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

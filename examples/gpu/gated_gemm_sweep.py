@@ -6,7 +6,7 @@
 Llama-3.1-8B's MLP (K = 4096, I = 14,336), bf16, M in --ms. Both paths as CUDA-graph replays of one call
 (fused_ops_bench.graph_us); each config checked against the unfused output first (relative L2; they differ
 only in the GEMM's summation order, gated_gemm_kernel NOTE 1). TFLOP/s count the GEMM's 2 M K 2I. The
-engine's switch is PAGEDLLM_GATED_GEMM=1 (gated_gemm.py); a config that wins here becomes DEFAULT_CONFIG.
+engine switch is the config key `gated_gemm` (env PAGEDLLM_GATED_GEMM=true; gated_gemm.py); a config that wins here becomes DEFAULT_CONFIG.
 """
 
 from __future__ import annotations
