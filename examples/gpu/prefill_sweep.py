@@ -98,6 +98,12 @@ def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
     # the 1 x 8192 best of the last sweep (triton_tuning NOTE 4)
     long_best = tt.AttentionConfig(rows=128, tile_n=128, num_warps=8, num_stages=5, reverse=True, k_rows=True)
     out: list[Any] = [tt.PREFILL, tt.MIXED, v1_best, long_best, tt.FRESH_PREFILL]
+    # Narrower programs for mixed steps (perf-notes §17e): a decode's 4 rows waste less of 32 or 16 rows than
+    # of MIXED's 64, the prompts keep tensor-core tiles; DECODE_WIDE itself as the single launch for contrast.
+    cfg = tt.AttentionConfig
+    out += [cfg(rows=32, tile_n=64, num_warps=4, num_stages=3, k_rows=True),
+            cfg(rows=32, tile_n=32, num_warps=4, num_stages=3, reverse=True, k_rows=True),
+            cfg(rows=32, tile_n=64, num_warps=4, num_stages=2, reverse=True, k_rows=True), tt.DECODE_WIDE]
     # Fresh kernel (triton_prefill.py). 128 rows: 4 warps spill the 128 x 128 float32 accumulator unless
     # warp-specialized (then 2 consumer warpgroups of 64 rows + a TMA producer: 12 warps, 168 registers, no
     # spills offline); 128 x 128 tiles at 3 stages take 225 KB of shared memory, 4 would not fit.
