@@ -82,9 +82,7 @@ def maybe_gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      activation: str) -> torch.Tensor | None:
     """act(x @ W_gate^T) * (x @ W_up^T) from the gated GEMM when usable, else None (the caller has checked
     the layer's switch)."""
-    if not x.is_cuda or not triton_available():
-        return None
-    if unusable_reason(x, weight, bias, activation) is not None:
+    if not triton_available() or unusable_reason(x, weight, bias, activation) is not None:
         return None
     from pagedllm.layers.gated_gemm_kernel import gated_gemm
 

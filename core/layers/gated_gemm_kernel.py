@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.dense_gemv import _sm_count
 from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
 
 
@@ -41,6 +42,19 @@ def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     first_m = (tile_id // per_group) * GROUP_M
     group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
     return first_m + (tile_id % per_group) % group_rows, (tile_id % per_group) // group_rows
+
+
+@triton.jit
+def _gate_up_tile(a_desc, w_desc, off_m, off_n, HALF, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The tile's two fp32 accumulators: x[off_m.., :] against the gate rows off_n.. and the up rows HALF + off_n..;
+    each activation tile is loaded once for both dots."""
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(tl.cdiv(K, BK)):
+        a = a_desc.load([off_m, k * BK])
+        acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
+        acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -62,15 +76,8 @@ def _gated_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(HALF, BN), GROUP_M)
-    off_m = pid_m * BM
-    off_n = pid_n * BN
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BK)):
-        a = a_desc.load([off_m, k * BK])
-        acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
-        acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
-    _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH)
+    acc_g, acc_u = _gate_up_tile(a_desc, w_desc, pid_m * BM, pid_n * BN, HALF, K, BM, BN, BK)
+    _gated_epilogue(acc_g, acc_u, c_desc, pid_m * BM, pid_n * BN, GELU_TANH)
 
 
 @triton.jit
@@ -83,18 +90,10 @@ def _gated_gemm_persistent_kernel(
     software pipeline, so the next tile's first loads are in flight during this tile's epilogue."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(HALF, BN)
-    k_tiles = tl.cdiv(K, BK)
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(k_tiles):
-            a = a_desc.load([off_m, k * BK])
-            acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
-            acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
-        _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH)
+        acc_g, acc_u = _gate_up_tile(a_desc, w_desc, pid_m * BM, pid_n * BN, HALF, K, BM, BN, BK)
+        _gated_epilogue(acc_g, acc_u, c_desc, pid_m * BM, pid_n * BN, GELU_TANH)
 
 
 _GELU = {"silu": False, "gelu_tanh": True}
@@ -117,14 +116,8 @@ def gated_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu",
     meta = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GELU_TANH=_GELU[activation],
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.persistent:
-        programs = min(tiles, _num_sms(x.device))
+        programs = min(tiles, _sm_count(x.device.index or 0) if x.is_cuda else 3)  # 3: interpreter runs walk tiles
         _gated_gemm_persistent_kernel[(programs,)](a_desc, w_desc, c_desc, m, i, k, NUM_PROGRAMS=programs, **meta)
     else:
         _gated_gemm_kernel[(tiles,)](a_desc, w_desc, c_desc, m, i, k, **meta)
     return out
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3  # interpreter runs: few programs, so each walks several tiles
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
