@@ -7,7 +7,7 @@ W1's mixed steps (16,216 tokens on average, 65 of them, 395 ms of GPU each) are 
 ~720 TFLOP/s. This times the four projections of a Llama-3.1-8B layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096, bf16, weights [out, in] as nn.Linear keeps them) at the step sizes
 W1 runs (and decode-step sizes), as CUDA-graph replays and as eager launches: torch's default cuBLAS call;
-with TunableOp enabled but not tuning (its "Default" op: the same gemm_internal call); the default again
+through cuBLASLt (`lt`); with TunableOp enabled but not tuning (its "Default" op: the same gemm_internal call); the default again
 (drift); and TunableOp tuning (every candidate timed for the exact shape, the fastest kept). The first run
 (P25) found TunableOp faster while it chose "Default" for every shape: this separates the path from the choice.
 """
@@ -86,8 +86,12 @@ def main() -> int:
     torch.manual_seed(0)
     weights = {k: torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02 for k, (kk, n) in SHAPES.items()}
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    print("preferred blas:", torch.backends.cuda.preferred_blas_library(), flush=True)
+    preferred = torch.backends.cuda.preferred_blas_library()
+    print("preferred blas:", preferred, flush=True)
     for mode in args.modes.split(","):
+        # lt: torch's mm through cuBLASLt (torch.backends.cuda.preferred_blas_library) -- TunableOp's
+        # candidates include cuBLASLt algorithms, so this asks whether the Lt path itself is the faster one.
+        torch.backends.cuda.preferred_blas_library("cublaslt" if mode == "lt" else preferred)
         # notune: TunableOp on, tuning off -- unseen shapes take its "Default" op (the same cuBLAS call)
         # through its path; tuned: every candidate timed for the exact shape, the fastest kept; bmm: the same
         # product as a strided-batched GEMM of one (another cuBLAS entry point and heuristic).
