@@ -118,7 +118,7 @@ class PagedRunner:
         with torch.no_grad():
             hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.caches)
             logits = self.model.compute_logits(hidden)  # type: ignore[operator]
-        assert logits.dtype == torch.float32
+        assert logits.dtype in (torch.float32, hidden.dtype)  # the ModelProtocol.compute_logits contract
         # The runner samples from logits_indices; they must be each request's last row.
         assert torch.equal(logits[inputs.logits_indices], logits[inputs.attn.query_start_loc[1:].long() - 1])
         for req_id, _, n in batch:

@@ -88,6 +88,23 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs is None
 
 
+def test_half_precision_logits_greedy_fast_path_and_float_paths() -> None:
+    """Models return logits in their own dtype (ModelProtocol.compute_logits). A plain greedy batch takes the
+    argmax of those as given -- the same ids as the float32 copy's, ties included (first index) -- while
+    logprobs are computed from float32 values."""
+    logits = (random_logits(6, 300, seed=7) * 4).to(torch.bfloat16)  # bf16's coarse steps: many near ties
+    logits[2, 10] = logits[2, 200] = logits[2].max() + 1  # an exact tie: both paths return the first index
+    greedy = build([SamplingParams(temperature=0.0) for _ in range(6)], 300)
+    out = Sampler()(logits, greedy)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1)) and int(out.sampled_token_ids[2]) == 10
+    assert out.sampled_token_ids.dtype == torch.int64 and out.logprobs is None
+
+    with_logprobs = build([SamplingParams(temperature=0.0, logprobs=2) for _ in range(6)], 300)
+    lp = Sampler()(logits, with_logprobs).logprobs
+    assert lp is not None and lp.logprobs.dtype == torch.float32
+    assert torch.allclose(lp.logprobs[:, 1:], torch.log_softmax(logits.float(), -1).topk(2, -1).values)
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
     logits = random_logits(6, 50, scale=0.1)  # flat: random rows will rarely hit the argmax
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(6)]

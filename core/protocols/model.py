@@ -36,7 +36,11 @@ class CausalLM(Protocol):
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
+        """[N, hidden] -> [N, vocab] logits, in the model's dtype or float32.
+
+        The sampler converts to float32 where the result depends on it (sampling, logprobs, penalties); an
+        all-greedy batch takes the argmax of the logits as returned (sampler NOTE 2).
+        """
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -43,7 +43,8 @@ def verify(
     draft_probs: Sequence[torch.Tensor | None],
     vocab_size: int,
 ) -> VerifiedTokens:
-    """Verify every request's drafts against `logits` ([sum(k_i + 1), V] float32, laid out as above)."""
+    """Verify every request's drafts against `logits` ([sum(k_i + 1), V], laid out as above)."""
+    logits = logits.float()  # compute_logits may return the model's dtype; acceptance compares probabilities
     device = logits.device
     counts = [len(d) for d in drafts]
     batch, k_max = len(states), max(counts, default=0)

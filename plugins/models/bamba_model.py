@@ -162,8 +162,8 @@ class BambaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> [N, vocab] logits in the model's dtype (the sampler makes float32 where it needs it)."""
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (q/k/v and gate/up fused as in Llama); raises WeightLoadError on a mismatch."""

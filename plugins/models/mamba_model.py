@@ -103,8 +103,8 @@ class MambaForCausalLM(nn.Module):
         return self.backbone(input_ids, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> [N, vocab] logits in the model's dtype (the sampler makes float32 where it needs it)."""
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; raises WeightLoadError naming any missing or unexpected tensor."""
