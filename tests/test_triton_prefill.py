@@ -96,17 +96,17 @@ def test_fresh_run_start(contexts: list[int], queries: list[int], start: int | N
 
 
 def test_fresh_route_default_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backend routes only runs whose longest request has `fresh_prefill_min_tokens` new tokens (2048 by
-    default: shorter prompts among decodes lost end to end on the H200); the option cannot go below 64."""
+    """The backend routes only runs whose longest request has `fresh_prefill_min_tokens` new tokens (1024 by
+    default: W1's 1024-token prompts gained on the H200, perf-notes §18a); the option cannot go below 64."""
     from pagedllm.plugins.attention import triton as plugin
     from pagedllm.plugins.attention.triton_backend import TritonBackend
 
     monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
-    assert plugin.options.fresh_prefill_min_tokens == 2048
-    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1024, 900])).fresh_from is None
-    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 2048, 900])).fresh_from == 1
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(fresh_prefill_min_tokens=64))
+    assert plugin.options.fresh_prefill_min_tokens == 1024
+    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1023, 900])).fresh_from is None
     assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1024, 900])).fresh_from == 1
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(fresh_prefill_min_tokens=64))
+    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1000, 900])).fresh_from == 1
     with pytest.raises(Exception, match="fresh_prefill_min_tokens"):
         plugin.TritonOptions.model_validate({"fresh_prefill_min_tokens": 32})
 
@@ -267,7 +267,7 @@ def _backend_case() -> dict[str, Any]:
     ref_cache = cache.clone()
     ref = TorchSDPABackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], ref_cache,
                                                     TorchSDPABackend.build_metadata(common))
-    plugin.options = plugin.TritonOptions(fresh_prefill_min_tokens=64)  # the default (2048) is for real sizes
+    plugin.options = plugin.TritonOptions(fresh_prefill_min_tokens=64)  # the default (1024) is for real sizes
     md = TritonBackend.build_metadata(common)
     got_cache = cache.clone()
     got = TritonBackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], got_cache, md)

@@ -35,8 +35,9 @@ step's own key/value tensors, which the fresh-prefill kernel reads as contiguous
 gathering pages. build_metadata finds, from the host copies, the run of such requests that ends the batch
 (the scheduler lists running requests -- decodes, later chunks -- before newly admitted ones, so a step's
 fresh prompts are its last requests), taken when its longest has `plugins.triton.fresh_prefill_min_tokens`
-(default 2048; never under FRESH_MIN_QUERY_LEN) tokens -- measured end to end on the H200 the route cost 2-3 %
-on W1 / W5's 1024-token prompts among decodes, while its kernel is 1.3-1.4x at 2048-8192; the unified kernel
+(default 1024; never under FRESH_MIN_QUERY_LEN) tokens. On the H200 the route cost 2-3 % on W1 / W5's
+1024-token prompts while the decodes beside them ran at the slow DECODE entry; with DECODE_WIDE it gains 0.9 %
+on W1 (perf-notes §18a), and its kernel is 1.3-1.4x at 2048-8192 tokens. The unified kernel
 takes the requests before the run (its grid is sized by their tokens, so it never looks at the run's rows),
 the fresh kernel the run. Both write disjoint rows of one output; reshape_and_cache still fills the pages
 for later steps. Never in a captured graph: graph steps are decodes or uniform q-token steps with
