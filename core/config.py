@@ -167,7 +167,7 @@ class EngineConfig(_Section):
         False,
         description="on CUDA (sm_90+), a dense [gate | up] layer's prompt-sized products (>= 2048 rows) run one "
         "Triton GEMM with SiLU/GELU-and-mul in its epilogue instead of cuBLAS then the activation kernel "
-        "(layers/gated_gemm.py); off until measured on the H200",
+        "(layers/gated_gemm.py); off: on the H200 it ran 0.94x of cuBLAS + the activation at 16,384 rows",
     )
     gc_threshold: int | None = Field(
         50_000,

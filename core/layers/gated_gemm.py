@@ -1,8 +1,8 @@
 """When a dense [gate | up] layer runs the gated GEMM (gated_gemm_kernel.py): act(gate) * up in its epilogue.
 
     the layer's switch on        `gated_gemm` on its method, set by `set_gated_gemm` from the engine config's
-                                 `gated_gemm` (PAGEDLLM_GATED_GEMM=true; off by default: not yet measured on
-                                 the H200, perf-notes §17e item 3)
+                                 `gated_gemm` (PAGEDLLM_GATED_GEMM=true; off by default: on the H200 its
+                                 best config ran 0.94x of cuBLAS + act_and_mul, perf-notes §18b)
     x on CUDA, sm_90+, triton    TMA descriptors; the CPU and older GPUs keep cuBLAS + act_and_mul
     x and W one 16-bit dtype     no bias; W [2I, K] contiguous, x rows contiguous and 16-byte aligned
     rows M >= GATED_GEMM_MIN_M   prompt-sized steps (decode steps stay in their CUDA graphs on cuBLAS, or on
@@ -37,9 +37,10 @@ class GatedGemmConfig(NamedTuple):
     persistent: bool = False  # gated_gemm_kernel NOTE 3
 
 
-# Two 128-column accumulators make the tile as wide as cuBLAS's 128 x 256. Offline (Triton 3.9, sm_90a): 193
-# registers, no spills, 147 KB of shared memory at 3 stages (196 KB at 4). Not yet measured on the H200.
-DEFAULT_CONFIG = GatedGemmConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
+# The fastest of examples/gpu/gated_gemm_sweep.py's 13 configs on the H200 (Triton 3.6) at 2,048-16,384 rows: 608
+# TFLOP/s at 16,384 against cuBLAS's 689 for the GEMM alone (650 with act_and_mul after it), so 0.94x; the
+# 128 x 128 tiles with two accumulators (cuBLAS's 128 x 256 shape) ran 0.83-0.86x, persistent variants no better.
+DEFAULT_CONFIG = GatedGemmConfig(bm=128, bn=64, bk=64, num_warps=4, num_stages=4)
 
 
 def set_gated_gemm(model: nn.Module, enabled: bool) -> int:
