@@ -348,12 +348,13 @@ def table(ours: dict[str, Any], vllm: dict[str, Any] | None) -> str:
         mine = row["tpot_ms_median"] if name == "W3" else row["total_tokens_per_s"]
         theirs = _vllm_figure(vllm, name)
         unit = "ms/token" if name == "W3" else "total tok/s"
-        ratio = "" if not theirs else f"{(theirs / mine if name == 'W3' else mine / theirs):.2f}x"
-        lines.append(f"| {name} ({unit}) | {mine:,.2f} | {theirs if theirs is not None else '-'} | {ratio} |")
+        ratio = "" if not theirs else f"{(theirs / mine if name == 'W3' else mine / theirs):.3f}x"
+        lines.append(f"| {name} ({unit}) | {mine:,.2f} | {'-' if theirs is None else f'{theirs:,.2f}'} | {ratio} |")
     if "W3" in ours["workloads"]:
         share = ours["w3_limit_ms"] / ours["workloads"]["W3"]["tpot_ms_median"]
         lines.append(f"| W3 vs weight-streaming limit {ours['w3_limit_ms']} ms | {share:.0%} of the limit | | |")
-    lines.append(f"| start-up (s) | {ours['startup_s']} | {vllm.get('startup_s', '-') if vllm else '-'} | |")
+    startup = vllm.get("startup_s") if vllm else None
+    lines.append(f"| start-up (s) | {ours['startup_s']} | {'-' if startup is None else f'{startup:.2f}'} | |")
     if "bf16" in ours:
         lines += bf16_lines(ours)
     return "\n".join(lines)
