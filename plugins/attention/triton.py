@@ -39,8 +39,8 @@ class TritonOptions(BaseModel):
 
     split_decodes_min: int = Field(
         0, ge=0, description="a step with prompt tokens and at least this many decodes attends in two launches: "
-        "the decodes with the decode configuration, the rest with its own (triton_backend NOTE 5: one mixed launch "
-        "runs the decodes in 64-row programs); 0: one launch"
+        "the decodes with the decode configuration, the rest with its own (triton_backend NOTE 5); 0: one launch. "
+        "On the H200 W1 ran 3.3 % slower split at 64 (its wave's attention 1.06 vs 1.05 ms a layer)"
     )
 
 

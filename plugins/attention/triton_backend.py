@@ -54,8 +54,9 @@ keeps. Split, the decodes (the batch's first requests) run as their own launch, 
 decode-only step (DECODE_WIDE, 16 rows), and the rest as a second launch over views of the step's tensors from
 the first non-decode request on, with query_start_loc rebased to 0 (one small device op per step, cached in
 the metadata) -- the kernel itself is unchanged. What one launch had and two lose: decode programs (memory-
-bound) and prompt programs (compute-bound) sharing the SMs. Off by default until measured on the H200
-(examples/gpu/prefill_sweep.py's w1wave case, then W1/W5 end to end).
+bound) and prompt programs (compute-bound) sharing the SMs. Measured on the H200 (perf-notes §18a): a W1
+wave's attention 1.064 ms a layer split against 1.046 in one launch (prefill_sweep.py's w1wave case), W1 3.3 %
+slower end to end -- so off by default; the fresh route (NOTE 4) is what a W1 wave takes.
 """
 
 from __future__ import annotations
