@@ -53,6 +53,10 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
     "prefill_per_head_window_fp16": ([9, 0, 5], [1, 250, 140], {
         "window": 37, "dtype": "float16", "prefill": {"pack_gqa": False, "k_rows": False, "reverse": False}}, 5e-3),
     "prefill_soft_cap": ([0, 7], [200, 90], {"soft_cap": 2.0, "prefill": {"k_rows": False}}, 1e-5),
+    # the heads-first launch order (grid axes swapped), packed GQA with reversed blocks and one head per program
+    "prefill_heads_first": ([9, 0, 5], [1, 250, 140], {"prefill": {"heads_first": True}}, 1e-5),
+    "prefill_per_head_heads_first": ([9, 0, 5], [1, 250, 140], {
+        "prefill": {"heads_first": True, "pack_gqa": False, "reverse": False}}, 1e-5),
     # triton_backend NOTE 5: the decodes as their own launch, the rest over views from request 3 on (a fresh
     # prompt, a chunk after cached tokens), and with the rest under the PREFILL rule
     "split_decodes_mixed": ([5, 8, 12, 0, 5], [1, 1, 1, 7, 6], {"split_decodes": 3}, 1e-5),
@@ -118,8 +122,10 @@ def test_cascade_prefix_detection() -> None:
 
 
 def test_decode_wide_config(interp: dict[str, Any]) -> None:
-    """The decode entry measured fastest on the H200 (64-key tiles), run at its own tile size."""
-    assert interp["decode_wide"]["nan"] == 0 and interp["decode_wide"]["rel"] < 1e-5, interp["decode_wide"]
+    """The decode entry measured fastest on the H200 (64-key tiles), run at its own tile size; then in the
+    heads-first launch order, with one segment and split three ways."""
+    for key in ("decode_wide", "decode_wide_heads_first", "decode_wide_heads_first_split"):
+        assert interp[key]["nan"] == 0 and interp[key]["rel"] < 1e-5, (key, interp[key])
 
 
 def test_decode_big_config(interp: dict[str, Any]) -> None:
@@ -381,9 +387,11 @@ def _engine_case() -> dict[str, Any]:
     return {"backends": sorted(tokens), "equal": tokens.get("torch") == tokens.get("triton")}
 
 
-def _decode_wide_case() -> dict[str, float]:
+def _decode_wide_case(heads_first: bool = False, segments: int = 1) -> dict[str, float]:
     """triton_tuning.DECODE_WIDE (64-key tiles, 2 stages) on decodes whose contexts end inside, at and just
     past a tile, page 16, GQA 4:1, float32 (the interpreter otherwise runs its own 16-key tile)."""
+    from dataclasses import replace
+
     from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
     from pagedllm.plugins.attention.triton_kernels import unified_attention
     from pagedllm.plugins.attention.triton_tuning import DECODE_WIDE
@@ -399,7 +407,7 @@ def _decode_wide_case() -> dict[str, float]:
     ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, cache, TorchSDPABackend.build_metadata(common))
     got = torch.empty_like(q)  # the cache already holds this step's keys (the torch backend wrote them)
     unified_attention(q, cache, got, common.query_start_loc, common.seq_lens, common.block_table, n, n,
-                      head**-0.5, config=DECODE_WIDE)
+                      head**-0.5, num_segments=segments, config=replace(DECODE_WIDE, heads_first=heads_first))
     return {"nan": int(torch.isnan(got).sum()), "rel": float((got - ref).norm() / ref.norm())}
 
 
@@ -467,6 +475,8 @@ def _main() -> None:
         }
     results["padding"] = _padding_case()
     results["decode_wide"] = _decode_wide_case()
+    results["decode_wide_heads_first"] = _decode_wide_case(heads_first=True)
+    results["decode_wide_heads_first_split"] = _decode_wide_case(heads_first=True, segments=3)
     results["decode_big"] = _decode_big_case()
     results["cascade"] = _cascade_case()
     from pagedllm.plugins.attention import triton_kernels

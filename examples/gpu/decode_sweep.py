@@ -2,6 +2,7 @@
 
     python examples/gpu/decode_sweep.py --out $OUT/decode_sweep.json      # H200, ~4 minutes
     python examples/gpu/decode_sweep.py --quick --decode-only              # one segment, tiles 64 / 128: ~1 minute
+    python examples/gpu/decode_sweep.py --quick --decode-only --heads-first  # each point in both launch orders
 
 The kernel targets were tuned on 64 x 2048 (every request the same length). W2's decode steps hold ~500
 requests of 128-1152 keys and W5's ~290 of 100-2048, where a split factor of 1 (the policy's choice: 8 KV
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -52,7 +54,8 @@ MIXED_GRID = [(1, r, t, w, st, True) for r in (32, 64, 128) for t in (32, 64) fo
               if not (r == 128 and w == 4)]
 
 
-def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick: bool = False) -> dict[str, Any]:
+def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick: bool = False,
+                orders: tuple[bool, ...] = (False,)) -> dict[str, Any]:
     """The default and every grid point on one step's batch (TB/s of K/V read for decode-only batches)."""
     from pagedllm.plugins.attention.triton_backend import choose_segments
     from pagedllm.plugins.attention.triton_kernels import unified_attention
@@ -74,12 +77,13 @@ def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick:
     policy = choose_segments(n, kvh, sms) if decode_only else 1
     default_us = run(policy, None)
     rows: list[dict[str, Any]] = []
-    for segments, block_m, tile, warps, stages, flags in (
-            (QUICK_GRID if quick else DECODE_GRID) if decode_only else MIXED_GRID):
+    grid = (QUICK_GRID if quick else DECODE_GRID) if decode_only else MIXED_GRID
+    for (segments, block_m, tile, warps, stages, flags), heads_first in itertools.product(grid, orders):
         row: dict[str, Any] = {"segments": segments, "rows": block_m, "tile_n": tile, "warps": warps,
-                               "stages": stages, "reverse_krows": flags}
+                               "stages": stages, "reverse_krows": flags, "heads_first": heads_first}
         try:
-            us = run(segments, AttentionConfig(block_m, tile, warps, stages, reverse=flags, k_rows=flags))
+            us = run(segments, AttentionConfig(block_m, tile, warps, stages, reverse=flags, k_rows=flags,
+                                               heads_first=heads_first))
             row.update(us=round(us, 1), TBps=round(kv_bytes / (us * 1e-6) / 1e12, 3))
         except Exception as exc:  # noqa: BLE001 - a config that does not compile is a data point
             row["error"] = str(exc)[:200]
@@ -95,17 +99,19 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="decode shapes: one segment, 64 / 128-key tiles only")
     ap.add_argument("--decode-only", action="store_true", help="skip the mixed prompt-wave shapes")
+    ap.add_argument("--heads-first", action="store_true",
+                    help="time every grid point in both launch orders (triton_kernels' HEADS_FIRST)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "shapes": {}}
     for name, (ctx, queries) in shapes(gen).items():
         if args.decode_only and sum(queries) != len(ctx):
             continue
-        entry = sweep_shape(ctx, queries, gen, args.quick)
+        entry = sweep_shape(ctx, queries, gen, args.quick, (False, True) if args.heads_first else (False,))
         result["shapes"][name] = entry
         print(f"{name}: default S={entry['policy_segments']} {entry['default_us']} us ({entry['default_TBps']} "
               "TB/s); best " + "; ".join(f"S={r['segments']} r{r['rows']} t{r['tile_n']} w{r['warps']} s{r['stages']} "
-                                        f"{'rev ' if r['reverse_krows'] else ''}"
+                                        f"{'rev ' if r['reverse_krows'] else ''}{'hf ' if r['heads_first'] else ''}"
                                         f"{r['us']} us ({r['TBps']} TB/s)" for r in entry["best"][:3]), flush=True)
         torch.cuda.empty_cache()
         if args.out:

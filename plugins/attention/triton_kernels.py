@@ -20,7 +20,12 @@ Launch configuration (rows, tile, warps, stages and the switches below) comes fr
 triton_tuning.py, chosen by new tokens per request. Switches (constexpr): REVERSE maps program i to query
 block n - 1 - i, so each request's longest causal blocks start first and the grid ends on short ones;
 PACK_GQA=False gives each program BLOCK_M tokens of one query head (grid axis 1 = query heads) instead of
-BLOCK_Q tokens x G heads; K_ROWS loads K as [TILE_N, HEAD] rows and transposes it in the dot.
+BLOCK_Q tokens x G heads; K_ROWS loads K as [TILE_N, HEAD] rows and transposes it in the dot;
+HEADS_FIRST swaps grid axes 0 and 1, so that programs launched one after another are one request's KV heads
+instead of one KV head's requests. In the NHD pages a token's KV heads lie side by side (2 KB a token at
+8 heads x 128 x bf16): in the default order the programs running at once each read 256-byte pieces of many
+pages, with HEADS_FIRST they read the whole rows of fewer pages. Whether DRAM rewards that is the H200 sweep's
+question (examples/gpu/decode_sweep.py --heads-first); axis 1 holds at most 65,535 query blocks.
 
 Keys are read TILE_N at a time; each key's physical block comes from the block table, so TILE_N need not
 equal the page size. Softmax is online (running max m, running sum l) in float32, scores in log2 units
@@ -240,14 +245,18 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
     CASCADE: tl.constexpr = False, REVERSE: tl.constexpr = False, PACK_GQA: tl.constexpr = True,
-    K_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = CASCADE_ALIGN,
+    K_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = CASCADE_ALIGN, HEADS_FIRST: tl.constexpr = False,
 ):
-    qblock = tl.program_id(0)
+    # The grid is (query blocks, heads, segments), or (heads, query blocks, segments) with HEADS_FIRST.
+    if HEADS_FIRST:
+        qblock, head_axis, num_qblocks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    else:
+        qblock, head_axis, num_qblocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     if REVERSE:  # triton_tuning NOTE 2: each request's longest causal query blocks start first
-        qblock = tl.num_programs(0) - 1 - qblock
-    kv_head = tl.program_id(1)
-    if not PACK_GQA:  # program axis 1 is the query head; its rows are BLOCK_Q = BLOCK_M tokens of that head
-        kv_head = tl.program_id(1) // G
+        qblock = num_qblocks - 1 - qblock
+    kv_head = head_axis
+    if not PACK_GQA:  # the head axis is the query head; its rows are BLOCK_Q = BLOCK_M tokens of that head
+        kv_head = head_axis // G
     segment = tl.program_id(2)
 
     seq = _find_seq(qsl_ptr, qblock, num_seqs, BLOCK_Q)
@@ -266,7 +275,7 @@ def _unified_attention_kernel(
         head = kv_head * G + offs_m % G
     else:
         q_pos = local_block * BLOCK_Q + offs_m
-        head = tl.full([BLOCK_M], 0, tl.int32) + tl.program_id(1)
+        head = tl.full([BLOCK_M], 0, tl.int32) + head_axis
     row_ok = q_pos < q_len
     d_ok = offs_d < HEAD
     q = tl.load(
@@ -490,6 +499,9 @@ def unified_attention(
     # The interpreter's default tile is small (more tiles per test batch) unless one was asked for.
     tile = 16 if _interpreting() and config is None and not tile_n else cfg.tile_n
     grid = (num_tokens // block_q + num_seqs, kv_heads if cfg.pack_gqa else num_heads, num_segments)
+    if cfg.heads_first:
+        assert grid[0] < 65536, "heads_first puts the query blocks on grid axis 1 (at most 65,535)"
+        grid = (grid[1], grid[0], num_segments)
     use_cascade = cascade is not None
     # The shared prefix ends on a whole suffix tile (and a whole prefix tile): CASCADE_ALIGN or the tile.
     align = max(CASCADE_ALIGN.value, tile)
@@ -513,7 +525,7 @@ def unified_attention(
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade,
-        REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows, ALIGN=align,
+        REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows, ALIGN=align, HEADS_FIRST=cfg.heads_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_cascade:

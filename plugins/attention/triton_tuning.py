@@ -50,6 +50,7 @@ class AttentionConfig:
     reverse: bool = False  # launch each request's last (heaviest causal) query blocks first (NOTE 2)
     k_rows: bool = False  # load K as [tile_n, head] rows and transpose in the dot, instead of a [head, tile_n] gather
     pack_gqa: bool = True  # rows = tokens x the G heads of a KV head; False: one query head's tokens per program
+    heads_first: bool = False  # launch order: a request's KV heads one after another (triton_kernels' docstring)
 
 
 DECODE = AttentionConfig(rows=16, tile_n=32, num_warps=4, num_stages=3)
