@@ -38,6 +38,10 @@ kv_cache: {{block_size: 8, num_blocks: 64, enable_prefix_caching: true}}
     assert len(out[0].outputs[0].token_ids) == 3
     assert "attention_backend: torch (requested by config" in parts.describe()
     assert "Qwen2ForCausalLM (requested by the checkpoint's architectures" in parts.describe()
+    # The start-up report's phases (the CPU has no graph capture or warm-up) account for the build's time.
+    assert list(parts.startup_phases) == ["model and weights", "KV cache sizing and allocation"]
+    assert 0 < sum(parts.startup_phases.values()) <= parts.load_seconds
+    assert "start-up: model and weights " in parts.describe()
 
 
 def test_yaml_bad_key_names_the_key(tmp_path: Path) -> None:

@@ -63,6 +63,9 @@ class EngineParts:
     executor: Any = None  # runs the model on every tensor-parallel rank (pagedllm.protocols.executor)
     tp_size: int = 1
     capacity: KVCapacity | None = None  # what the KV pool holds, per group (the start-up report)
+    # Seconds per start-up phase, in order (model + weights, KV sizing and allocation, graph capture, warm-up):
+    # where a slow start goes -- the first process on a machine compiles every Triton kernel it reaches.
+    startup_phases: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
@@ -73,6 +76,8 @@ class EngineParts:
         )
         if self.capacity is not None:
             lines.append(self.capacity.describe(self.max_model_len))
+        if self.startup_phases:
+            lines.append("start-up: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_phases.items()))
         return "\n".join(lines)
 
 
@@ -202,6 +207,15 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     quant_config = None if quant_name == "none" else quant_cls.from_config(quant_options)
 
     ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size, tp_rank, tp_size)
+    phases: dict[str, float] = {}
+    t_phase = t0  # the first phase includes plugin selection and reading the model config
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        now = time.perf_counter()
+        phases[name] = now - t_phase
+        t_phase = now
+
     model = _build_model(model_cls, ctx)
     loader.load_weights(model, model_ref, info)
     model.eval()
@@ -219,6 +233,7 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
 
         set_cpu_ops(model, cpu_ops())
 
+    phase("model and weights")
     specs: list[KVCacheSpec] = model.kv_cache_specs()
     if config.kv_cache.disable_sliding_window:
         specs = [_as_full_attention(s) for s in specs]
@@ -281,15 +296,17 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         model, backend, kv_caches, group_block_sizes[0], device, vocab_size, options, group_block_sizes,
         tp_rank=tp_rank, tp_size=tp_size,
     )
+    phase("KV cache sizing and allocation")
     if device.type == "cuda" and options.cuda_graphs:
         runner.capture_cuda_graphs()
+        phase("CUDA graph capture")
     if device.type == "cuda":
-        t_warm = time.perf_counter()
         kinds = runner.warm_up()  # compile-on-first-use kernels compile now (model_runner NOTE 3)
-        logger.info("warmed up %d kinds of step in %.1fs", len(kinds), time.perf_counter() - t_warm)
+        phase(f"warm-up ({len(kinds)} kinds of step)")
     parts = EngineParts(
         config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
         device, dtype, selections, time.perf_counter() - t0, tp_size=tp_size, capacity=capacity,
+        startup_phases=phases,
     )
     logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
     return parts
