@@ -38,6 +38,10 @@ def shapes(gen: torch.Generator) -> dict[str, tuple[list[int], list[int]]]:
     return {
         "64x2048": ([2047] * 64, [1] * 64),
         "W2 500 x U[128,1152]": (uniform(500, 128, 1152), [1] * 500),
+        # W2 itself: its 500 requests start together, so every step's contexts are equal -- 4,000 programs of
+        # one length, 10.1 waves of three per SM: the last wave runs a tenth full (perf-notes §18f).
+        "W2 lockstep 500 x 640": ([640] * 500, [1] * 500),
+        "W2 lockstep 500 x 1100": ([1100] * 500, [1] * 500),
         "W5 288 x U[100,2048]": (uniform(288, 100, 2048), [1] * 288),
         "W5 512 x U[100,2048]": (uniform(512, 100, 2048), [1] * 512),
         # W1's mixed steps: 16 fresh 1024-token prompts beside ~500 decodes of 1024-1152 keys
@@ -49,7 +53,8 @@ def shapes(gen: torch.Generator) -> dict[str, tuple[list[int], list[int]]]:
 
 # decode-only batches: (segments, rows, tile, warps, stages, reverse + K as rows); mixed: one segment, rows vary
 DECODE_GRID = [(s, 16, t, w, st, False) for s in (1, 2) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-QUICK_GRID = [(1, 16, t, w, st, False) for t in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+QUICK_GRID = [(1, 16, t, w, st, False) for t in (64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
+    (2, 16, 64, 4, 2, False), (2, 16, 128, 4, 3, False)]  # split in two: the lockstep shapes' last wave
 MIXED_GRID = [(1, r, t, w, st, True) for r in (32, 64, 128) for t in (32, 64) for w in (4, 8) for st in (2, 3, 5)
               if not (r == 128 and w == 4)]
 

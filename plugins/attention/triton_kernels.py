@@ -7,7 +7,9 @@ Unified kernel, one program per (query block, KV head [, KV segment]):
     request i owns flat query rows qsl[i] .. qsl[i+1]-1 and cuts them into ceil(q_len / BLOCK_Q) query
     blocks; global query block ids are laid out as  qsl[i] // BLOCK_Q + i + local_block,  so request i's
     first block id is an upper bound we can binary-search without any host-side plan (and the grid,
-    T // BLOCK_Q + B, depends only on the padded token and request counts: CUDA-graph safe).
+    T // BLOCK_Q + B, depends only on the padded token and request counts: CUDA-graph safe). A decode-only
+    batch (T == B) launches B query blocks, block i being request i's (DECODE_ONLY): no search, and none of
+    the T // BLOCK_Q spare programs that would only search and return.
 
     one program's tile of rows:  BLOCK_M = BLOCK_Q * G  rows = BLOCK_Q query tokens x the G query heads
     that share this KV head (GQA), so each K/V tile read from the cache feeds G heads' dot products.
@@ -246,6 +248,7 @@ def _unified_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
     CASCADE: tl.constexpr = False, REVERSE: tl.constexpr = False, PACK_GQA: tl.constexpr = True,
     K_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = CASCADE_ALIGN, HEADS_FIRST: tl.constexpr = False,
+    DECODE_ONLY: tl.constexpr = False,
 ):
     # The grid is (query blocks, heads, segments), or (heads, query blocks, segments) with HEADS_FIRST.
     if HEADS_FIRST:
@@ -259,12 +262,18 @@ def _unified_attention_kernel(
         kv_head = head_axis // G
     segment = tl.program_id(2)
 
-    seq = _find_seq(qsl_ptr, qblock, num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    local_block = qblock - (q_start // BLOCK_Q + seq)
-    if local_block * BLOCK_Q >= q_len:  # a spare program of the upper-bound grid
-        return
+    if DECODE_ONLY:  # one query token per request: program i is request i's (no search, no spare programs)
+        seq = qblock
+        q_start = seq
+        q_len = 1
+        local_block = 0
+    else:
+        seq = _find_seq(qsl_ptr, qblock, num_seqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        local_block = qblock - (q_start // BLOCK_Q + seq)
+        if local_block * BLOCK_Q >= q_len:  # a spare program of the upper-bound grid
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
 
@@ -498,7 +507,11 @@ def unified_attention(
     head_pad = max(16, triton.next_power_of_2(head))
     # The interpreter's default tile is small (more tiles per test batch) unless one was asked for.
     tile = 16 if _interpreting() and config is None and not tile_n else cfg.tile_n
-    grid = (num_tokens // block_q + num_seqs, kv_heads if cfg.pack_gqa else num_heads, num_segments)
+    # A decode-only batch (one token per request: every request has at least one) needs one program per
+    # request and head; otherwise the upper-bound grid of the module docstring, searched per program.
+    decode_only = num_tokens == num_seqs
+    qblocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    grid = (qblocks, kv_heads if cfg.pack_gqa else num_heads, num_segments)
     if cfg.heads_first:
         assert grid[0] < 65536, "heads_first puts the query blocks on grid axis 1 (at most 65,535)"
         grid = (grid[1], grid[0], num_segments)
@@ -526,6 +539,7 @@ def unified_attention(
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=soft_cap is not None,
         SPLIT=num_segments > 1, KV_FP8=is_fp8(kv_cache.dtype), CASCADE=use_cascade,
         REVERSE=cfg.reverse, PACK_GQA=cfg.pack_gqa, K_ROWS=cfg.k_rows, ALIGN=align, HEADS_FIRST=cfg.heads_first,
+        DECODE_ONLY=decode_only,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if use_cascade:
