@@ -85,15 +85,19 @@ def test_rule_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_default_config_compiles_for_sm90() -> None:
-    """DEFAULT_CONFIG, plain and persistent, through Triton's sm_90 compiler: tensor-core wgmma, TMA loads,
-    shared memory within an SM's 227 KB, no spills in ptxas for sm_90a."""
+    """DEFAULT_CONFIG, plain and persistent, and the warp-specialized 128 x 128 x 64 tile (NOTE 4) through
+    Triton's sm_90 compiler: tensor-core wgmma, TMA loads, shared memory within an SM's 227 KB, no spills in
+    ptxas for sm_90a."""
     code = PTXAS_SM90A + (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.layers.gated_gemm import DEFAULT_CONFIG as c\n"
+        "from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig\n"
         "from pagedllm.layers import gated_gemm_kernel as g\n"
-        "for fn, extra in ((g._gated_gemm_kernel, {}), (g._gated_gemm_persistent_kernel, {'NUM_PROGRAMS': 132})):\n"
+        "ws = GatedGemmConfig(128, 128, 64, 8, 3, warp_specialize=True)\n"
+        "for c, fn, extra in ((DEFAULT_CONFIG, g._gated_gemm_kernel, {'WARP_SPECIALIZE': False}),\n"
+        "                     (DEFAULT_CONFIG, g._gated_gemm_persistent_kernel, {'NUM_PROGRAMS': 132}),\n"
+        "                     (ws, g._gated_gemm_kernel, {'WARP_SPECIALIZE': True})):\n"
         "    sig = {'a_desc': f'tensordesc<bf16[{c.bm},{c.bk}]>', 'w_desc': f'tensordesc<bf16[{c.bn},{c.bk}]>',\n"
         "           'c_desc': f'tensordesc<bf16[{c.bm},{c.bn}]>', 'M': 'i32', 'HALF': 'i32', 'K': 'i32'}\n"
         "    cons = dict(BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, GELU_TANH=False, **extra)\n"

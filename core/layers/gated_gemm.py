@@ -35,6 +35,7 @@ class GatedGemmConfig(NamedTuple):
     num_stages: int
     group_m: int = 8
     persistent: bool = False  # gated_gemm_kernel NOTE 3
+    warp_specialize: bool = False  # gated_gemm_kernel NOTE 4 (plain kernel only)
 
 
 # The fastest of examples/gpu/gated_gemm_sweep.py's 13 configs on the H200 (Triton 3.6) at 2,048-16,384 rows: 608

@@ -23,6 +23,13 @@ activation, the TMA store) leaves the tensor cores idle. The persistent kernel r
 many tiles, its tile and K loops flattened (Triton's tl.range(flatten=True)), so the pipeliner issues the next
 tile's loads during the epilogue -- how Triton's Hopper matmul tutorial hides part of it. Which wins is the
 sweep's question (examples/gpu/gated_gemm_sweep.py).
+
+NOTE 4 (warp specialization, config `warp_specialize`): cuBLAS's Hopper GEMMs give the TMA loads a producer
+warp and the wgmma a consumer warpgroup (or two, ping-pong) with their own registers; a plain Triton loop
+issues both from every warp, and the sweep measured the best such config at 0.94x cuBLAS + act_and_mul
+(perf-notes §18b). Triton >= 3.5 partitions a `tl.range(..., warp_specialize=True)` loop the same way on
+Hopper (Meta's autoWS); offline, Triton 3.9 builds it for sm_90 at 128 x 128 x 64 with 8 warps and rejects
+4-warp tiles. Not with the persistent kernel: flattened loops and warp specialization do not combine there.
 """
 
 from __future__ import annotations
@@ -45,12 +52,13 @@ def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(a_desc, w_desc, off_m, off_n, HALF, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gate_up_tile(a_desc, w_desc, off_m, off_n, HALF, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr = False):
     """The tile's two fp32 accumulators: x[off_m.., :] against the gate rows off_n.. and the up rows HALF + off_n..;
     each activation tile is loaded once for both dots."""
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(tl.cdiv(K, BK)):
+    for k in tl.range(tl.cdiv(K, BK), warp_specialize=WARP_SPECIALIZE):  # NOTE 4
         a = a_desc.load([off_m, k * BK])
         acc_g = tl.dot(a, w_desc.load([off_n, k * BK]).T, acc_g)
         acc_u = tl.dot(a, w_desc.load([HALF + off_n, k * BK]).T, acc_u)
@@ -74,9 +82,10 @@ def _gated_epilogue(acc_g, acc_u, c_desc, off_m, off_n, GELU_TANH: tl.constexpr)
 def _gated_gemm_kernel(
     a_desc, w_desc, c_desc, M, HALF, K,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, GELU_TANH: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(HALF, BN), GROUP_M)
-    acc_g, acc_u = _gate_up_tile(a_desc, w_desc, pid_m * BM, pid_n * BN, HALF, K, BM, BN, BK)
+    acc_g, acc_u = _gate_up_tile(a_desc, w_desc, pid_m * BM, pid_n * BN, HALF, K, BM, BN, BK, WARP_SPECIALIZE)
     _gated_epilogue(acc_g, acc_u, c_desc, pid_m * BM, pid_n * BN, GELU_TANH)
 
 
@@ -119,5 +128,5 @@ def gated_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu",
         programs = min(tiles, _sm_count(x.device.index or 0) if x.is_cuda else 3)  # 3: interpreter runs walk tiles
         _gated_gemm_persistent_kernel[(programs,)](a_desc, w_desc, c_desc, m, i, k, NUM_PROGRAMS=programs, **meta)
     else:
-        _gated_gemm_kernel[(tiles,)](a_desc, w_desc, c_desc, m, i, k, **meta)
+        _gated_gemm_kernel[(tiles,)](a_desc, w_desc, c_desc, m, i, k, WARP_SPECIALIZE=cfg.warp_specialize, **meta)
     return out

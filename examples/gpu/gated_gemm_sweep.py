@@ -24,12 +24,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from fused_ops_bench import graph_us  # noqa: E402
 
-CONFIGS = [  # (bm, bn, bk, warps, stages, group_m, persistent); DEFAULT_CONFIG is (128, 64, 64, 4, 4, 8, False)
+CONFIGS = [  # (bm, bn, bk, warps, stages, group_m, persistent[, warp_specialize]); DEFAULT_CONFIG is the 6th
     (128, 128, 64, 8, 3, 8, False), (128, 128, 64, 8, 4, 8, False), (128, 128, 64, 8, 3, 16, False),
     (128, 128, 64, 8, 3, 4, False), (128, 128, 32, 8, 4, 8, False), (128, 64, 64, 4, 4, 8, False),
     (128, 64, 64, 8, 4, 8, False), (256, 64, 64, 8, 3, 8, False), (64, 128, 64, 4, 4, 8, False),
     (128, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True), (128, 64, 64, 4, 4, 8, True),
     (256, 64, 64, 8, 3, 8, True),
+    # warp-specialized K loop (gated_gemm_kernel NOTE 4): a producer warp for the TMA loads
+    (128, 128, 64, 8, 3, 8, False, True), (128, 128, 64, 8, 4, 8, False, True), (128, 256, 64, 8, 3, 8, False, True),
 ]
 
 
@@ -62,10 +64,11 @@ def main() -> int:
                                        "TFLOPs": round(flop / base_us / 1e6, 1)},
                                       {"what": "cuBLAS GEMM alone", "us": round(gemm_us, 1),
                                        "TFLOPs": round(flop / gemm_us / 1e6, 1)}]
-        for bm, bn, bk, warps, stages, group, persistent in CONFIGS:
-            cfg = GatedGemmConfig(bm, bn, bk, warps, stages, group, persistent)
-            row: dict[str, Any] = {"what": f"gated {bm}x{bn}x{bk} w{warps} s{stages} g{group}"
-                                           + (" persistent" if persistent else "")}
+        for fields in CONFIGS:
+            cfg = GatedGemmConfig(*fields)
+            row: dict[str, Any] = {"what": f"gated {cfg.bm}x{cfg.bn}x{cfg.bk} w{cfg.num_warps} s{cfg.num_stages} "
+                                           f"g{cfg.group_m}" + (" persistent" if cfg.persistent else "")
+                                           + (" ws" if cfg.warp_specialize else "")}
             try:
                 got = gated_gemm(x, w, "silu", cfg)
                 row["rel"] = float((got.float() - ref.float()).norm() / ref.float().norm())
