@@ -65,14 +65,14 @@ def unusable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return f"activation {activation!r}"
     if bias is not None:
         return "bias"
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows < GATED_GEMM_MIN_M:  # first of the shape checks: decode steps (most calls) stop here
+        return f"{rows} rows < {GATED_GEMM_MIN_M}"
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
         return "needs CUDA sm_90+ (TMA)"
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return f"dtypes {x.dtype} / {weight.dtype}"
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if rows < GATED_GEMM_MIN_M:
-        return f"{rows} rows < {GATED_GEMM_MIN_M}"
     if weight.dim() != 2 or weight.shape[1] != k or weight.shape[0] % 2 or (weight.shape[0] // 2) % cfg.bn:
         return f"weight {tuple(weight.shape)} is not [gate | up] halves of a multiple of {cfg.bn} rows"
     if k % 8 or not weight.is_contiguous() or not x.is_contiguous() or x.data_ptr() % 16 or weight.data_ptr() % 16:

@@ -26,6 +26,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 from fused_ops_bench import graph_us  # noqa: E402
 
+from pagedllm.layers.gated_gemm_kernel import _tile_of  # noqa: E402  (the grouped tile order)
+
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 CONFIGS = [  # (BM, BN, BK, warps, stages)
     (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 5), (64, 128, 64, 4, 4),
@@ -37,12 +39,7 @@ COPIES = 4
 @triton.jit
 def _gemm_kernel(a_desc, w_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr):
-    num_pid_m, num_pid_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    pid = tl.program_id(0)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m, pid_n = first_m + (pid % per_group) % rows, (pid % per_group) // rows
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(tl.cdiv(K, BK)):
         acc = tl.dot(a_desc.load([pid_m * BM, k * BK]), w_desc.load([pid_n * BN, k * BK]).T, acc)

@@ -333,7 +333,8 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
 
 
 # The engine-path rows: key, fresh route (forward_row), label in the tables.
-FORWARD_ROWS = (("forward", "rule"), ("fwd-paged", "off"), ("fwd-fresh", "any"), ("fwd-split", "split"))
+FORWARD_ROWS = (("forward", "rule", "(TritonImpl.forward)"), ("fwd-paged", "off", "(forward, fresh off)"),
+                ("fwd-fresh", "any", "(forward, fresh any)"), ("fwd-split", "split", "(forward, decodes apart)"))
 
 
 def main() -> None:
@@ -389,7 +390,7 @@ def main() -> None:
 
     for name in cases:  # the rule's default and the engine path first: always measured
         results["cases"][name]["default"] = measure(name, None)
-        for key, route in FORWARD_ROWS:
+        for key, route, _ in FORWARD_ROWS:
             results["cases"][name][key] = forward_row(shape, cases[name], refs[name], work[name], dry, route)
     skipped = 0
     for config in configs:
@@ -435,8 +436,7 @@ def print_tables(results: dict[str, Any]) -> None:
         d = res["default"]
         if "ms" in d:
             print(f"   {'default':<8} {'(unified rule)':<24} {d['TFLOPs']:>8} {d['ms']:>8} {d['rel_l2']:>8.1e}  {d['ok']}")
-        for key, what in (("forward", "(TritonImpl.forward)"), ("fwd-paged", "(forward, fresh off)"),
-                          ("fwd-fresh", "(forward, fresh any)"), ("fwd-split", "(forward, decodes apart)")):
+        for key, _, what in FORWARD_ROWS:
             f = res[key]
             if "ms" in f:
                 routed = "paged only" if f["fresh_from"] is None else \
