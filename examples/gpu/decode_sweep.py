@@ -73,14 +73,16 @@ def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick:
     out_t = torch.empty_like(b["q"])
     kv_bytes = sum(x + q for x, q in zip(ctx, queries)) * kvh * d * 2 * 2
 
-    def run(segments: int, config: AttentionConfig | None) -> float:
+    def run(segments: int, config: AttentionConfig | None, search: bool = False) -> float:
         return graph_us(functools.partial(unified_attention, b["q"], b["cache"], out_t, c.query_start_loc,
                                           c.seq_lens, c.block_table, n, tokens, d**-0.5, num_segments=segments,
-                                          config=config), calls=20)
+                                          config=config, search=search), calls=20)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     policy = choose_segments(n, kvh, sms) if decode_only else 1
     default_us = run(policy, None)
+    # The default config on the searched upper-bound grid: what the decode-only launch saves (perf-notes §18f).
+    search_us = run(policy, None, search=True) if decode_only else None
     rows: list[dict[str, Any]] = []
     grid = (QUICK_GRID if quick else DECODE_GRID) if decode_only else MIXED_GRID
     for (segments, block_m, tile, warps, stages, flags), heads_first in itertools.product(grid, orders):
@@ -96,7 +98,8 @@ def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick:
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     return {"requests": n, "tokens": tokens, "kv_bytes": kv_bytes, "policy_segments": policy,
             "default_config": str(choose_config(tokens, n, policy)), "default_us": round(default_us, 1),
-            "default_TBps": round(kv_bytes / (default_us * 1e-6) / 1e12, 3), "best": ok[:5], "all": rows}
+            "default_TBps": round(kv_bytes / (default_us * 1e-6) / 1e12, 3),
+            "searched_grid_us": search_us and round(search_us, 1), "best": ok[:5], "all": rows}
 
 
 def main() -> int:
@@ -114,10 +117,11 @@ def main() -> int:
             continue
         entry = sweep_shape(ctx, queries, gen, args.quick, (False, True) if args.heads_first else (False,))
         result["shapes"][name] = entry
+        best = "; ".join(f"S={r['segments']} r{r['rows']} t{r['tile_n']} w{r['warps']} s{r['stages']} "
+                         f"{'rev ' if r['reverse_krows'] else ''}{'hf ' if r['heads_first'] else ''}"
+                         f"{r['us']} us ({r['TBps']} TB/s)" for r in entry["best"][:3])
         print(f"{name}: default S={entry['policy_segments']} {entry['default_us']} us ({entry['default_TBps']} "
-              "TB/s); best " + "; ".join(f"S={r['segments']} r{r['rows']} t{r['tile_n']} w{r['warps']} s{r['stages']} "
-                                        f"{'rev ' if r['reverse_krows'] else ''}{'hf ' if r['heads_first'] else ''}"
-                                        f"{r['us']} us ({r['TBps']} TB/s)" for r in entry["best"][:3]), flush=True)
+              f"TB/s; searched grid {entry['searched_grid_us']} us); best {best}", flush=True)
         torch.cuda.empty_cache()
         if args.out:
             with open(args.out, "w") as f:

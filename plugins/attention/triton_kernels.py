@@ -479,6 +479,7 @@ def unified_attention(
     cascade: torch.Tensor | None = None,
     prefix_segments: int = 1,
     config: AttentionConfig | None = None,
+    search: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed prefill+decode batch; `num_segments` > 1 splits each context.
 
@@ -489,7 +490,8 @@ def unified_attention(
 
     The launch configuration is triton_tuning.choose_config's (by tokens per request) unless `config` is given;
     `tile_n` (keys per iteration), `rows_per_program` (BLOCK_M), `num_warps` and `num_stages` then override
-    single fields (tuning sweeps). `out` is written for rows < num_tokens. An fp8 cache is read back as
+    single fields (tuning sweeps); `search` launches a decode-only batch on the searched upper-bound grid too
+    (sweeps time what DECODE_ONLY saves). `out` is written for rows < num_tokens. An fp8 cache is read back as
     k_scale * K and v_scale * V (the scales reshape_and_cache divided by).
     """
     _, num_heads, head = query.shape
@@ -509,7 +511,7 @@ def unified_attention(
     tile = 16 if _interpreting() and config is None and not tile_n else cfg.tile_n
     # A decode-only batch (one token per request: every request has at least one) needs one program per
     # request and head; otherwise the upper-bound grid of the module docstring, searched per program.
-    decode_only = num_tokens == num_seqs
+    decode_only = num_tokens == num_seqs and not search
     qblocks = num_seqs if decode_only else num_tokens // block_q + num_seqs
     grid = (qblocks, kv_heads if cfg.pack_gqa else num_heads, num_segments)
     if cfg.heads_first:
