@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -253,20 +254,26 @@ def test_config_rule() -> None:
     assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 
 
-def test_decode_big_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`plugins.triton.decode_big_min_seqs` sends decode-only, unsplit steps of that many requests to DECODE_BIG;
-    0 (the default) never does, and a negative value is refused by the options model."""
+def test_decode_config_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plugins.triton.decode_big_min_seqs` sends decode-only, unsplit steps of that many requests to DECODE_BIG
+    (0: never; negative: refused by the options model); `decode_heads_first: false` gives the decode entries
+    the default launch order and leaves every other field as the table has it."""
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.triton_backend import _decode_big
-    from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+    from pagedllm.plugins.attention.triton_backend import _decode_config
+    from pagedllm.plugins.attention.triton_tuning import DECODE, DECODE_BIG, DECODE_WIDE, MIXED
 
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
-    assert _decode_big(512, 512, 1) is None
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=0))
+    assert _decode_config(512, 512, 1) is DECODE_WIDE
     monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=256))
-    assert _decode_big(256, 256, 1) is DECODE_BIG
-    assert _decode_big(255, 255, 1) is None  # too few requests
-    assert _decode_big(512, 256, 1) is None  # two tokens per request (speculative steps): not measured
-    assert _decode_big(256, 256, 2) is None  # split-KV keeps DECODE
+    assert _decode_config(256, 256, 1) is DECODE_BIG
+    assert _decode_config(255, 255, 1) is DECODE_WIDE  # too few requests
+    assert _decode_config(512, 256, 1) is DECODE_WIDE  # two tokens per request (speculative steps): not measured
+    assert _decode_config(256, 256, 2) is DECODE  # split-KV keeps DECODE
+    assert _decode_config(4096, 256, 1) is MIXED
+    assert DECODE_WIDE.heads_first and DECODE_BIG.heads_first
+    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=256, decode_heads_first=False))
+    assert _decode_config(256, 256, 1) == replace(DECODE_BIG, heads_first=False)
+    assert _decode_config(100, 100, 1) == replace(DECODE_WIDE, heads_first=False)
     with pytest.raises(Exception, match="decode_big_min_seqs"):
         plugin.TritonOptions(decode_big_min_seqs=-1)
 

@@ -33,8 +33,12 @@ class TritonOptions(BaseModel):
     )
     decode_big_min_seqs: int = Field(
         0, ge=0, description="decode-only steps (one token per request, one segment) of at least this many "
-        "requests use 128-key tiles (triton_tuning NOTE 7: per kernel 2-4 % faster on the H200 at 288-512 "
-        "requests, not yet measured through the engine on one machine); 0: never"
+        "requests use 128-key tiles (triton_tuning NOTE 7: per kernel 1.5-5 % faster on the H200 at 288-512 "
+        "requests, 13 % slower at 64 x 2048); 0: never"
+    )
+    decode_heads_first: bool = Field(
+        True, description="decode launches order their programs by request, then KV head (triton_tuning NOTE 8: "
+        "1-2.5 % faster decode attention on the H200); false: by KV head, then request (A/B runs)"
     )
 
     split_decodes_min: int = Field(

@@ -62,7 +62,7 @@ slower end to end -- so off by default; the fresh route (NOTE 4) is what a W1 wa
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -226,7 +226,7 @@ class TritonImpl:
         unified_attention(
             query, kv_cache, out, query_start_loc, seq_lens, block_table, num_seqs=num_seqs, num_tokens=num_tokens,
             scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap, num_segments=segments,
-            k_scale=self.k_scale, v_scale=self.v_scale, config=_decode_big(num_tokens, num_seqs, segments),
+            k_scale=self.k_scale, v_scale=self.v_scale, config=_decode_config(num_tokens, num_seqs, segments),
             **cascade,
         )
 
@@ -304,12 +304,16 @@ class TritonBackend:
         return TritonImpl(layer)
 
 
-def _decode_big(num_tokens: int, num_seqs: int, segments: int) -> Any:
-    """triton_tuning.DECODE_BIG for a decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs`
-    requests (off by default: triton_tuning NOTE 7), else None (choose_config's rule). Host integers only."""
-    threshold = triton_plugin.options.decode_big_min_seqs
-    if threshold and segments == 1 and num_tokens == num_seqs >= threshold:
-        from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+def _decode_config(num_tokens: int, num_seqs: int, segments: int) -> Any:
+    """triton_tuning's entry for the step with the plugin's decode switches applied: DECODE_BIG for a
+    decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs` requests (triton_tuning NOTE 7),
+    the default launch order when `plugins.triton.decode_heads_first` is off (NOTE 8). Host integers only."""
+    from pagedllm.plugins.attention.triton_tuning import DECODE_BIG, choose_config
 
-        return DECODE_BIG
-    return None
+    options = triton_plugin.options
+    threshold = options.decode_big_min_seqs
+    if threshold and segments == 1 and num_tokens == num_seqs >= threshold:
+        config = DECODE_BIG
+    else:
+        config = choose_config(num_tokens, num_seqs, segments)
+    return config if options.decode_heads_first or not config.heads_first else replace(config, heads_first=False)

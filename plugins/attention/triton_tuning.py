@@ -8,7 +8,8 @@ fixed counts): the average number of new tokens per request, T / B.
 
     split-KV                 -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
                                          (triton_backend NOTE 1) fills the GPU
-    T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages (NOTE 6; DECODE_BIG: NOTE 7)
+    T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages, heads first (NOTES 6, 8;
+                                         DECODE_BIG: NOTE 7)
     4 < T / B < 128          -> MIXED    64 rows: prefill chunks next to many decodes, whose one-token blocks
                                          would waste most of a taller tile
     T / B >= 128             -> PREFILL  128 rows (32 tokens x 4 heads at G = 4), 8 warps, deep pipeline
@@ -61,18 +62,25 @@ DECODE = AttentionConfig(rows=16, tile_n=32, num_warps=4, num_stages=3)
 #   3.53); best of 96 configs (segments 1-8, tiles 16-64, 2-8 warps, 2-4 stages) in all four. Twice the keys per
 #   iteration halves the loop's fixed work (block-table lookups, the online-softmax rescale) per byte, and two
 #   stages leave room for three programs per SM. Split-KV steps (small batches, W3) keep DECODE: not swept there.
-DECODE_WIDE = AttentionConfig(rows=16, tile_n=64, num_warps=4, num_stages=2)
+# NOTE 8 (measured, H200, `decode_sweep.py --quick --decode-only --heads-first`, 2026-11-30 13:51 UTC, one
+# process): the heads-first launch order (a request's 8 KV heads one after another) against the default order,
+# same config: at 64-key tiles W2's 500 x U[128, 1152] 313.4 vs 320.1 us (-2.1 %), W2 lockstep 500 x 640 -1.5 %,
+# 500 x 1100 -1.1 %, W5's 288 / 512 x U[100, 2048] -1.4 / -1.3 %, 64 x 2048 +0.4 % (126.1 vs 125.6 us, noise);
+# at 128-key tiles (DECODE_BIG) -1.3 to -2.4 %. Every fast config gained: the programs running at once read
+# whole 2 KB token rows of fewer pages. Both decode entries launch heads first (split-KV DECODE: not swept).
+DECODE_WIDE = AttentionConfig(rows=16, tile_n=64, num_warps=4, num_stages=2, heads_first=True)
 # NOTE 7 (measured, H200, `examples/gpu/decode_sweep.py --quick --decode-only`, 2026-11-30 08:37 UTC, bf16, same
 # shapes as NOTE 6): 128-key tiles, 4 warps, 3 stages against DECODE_WIDE: W2's 500 x U[128, 1152] 317.0 vs 323.2 us
 # (4.16 vs 4.08 TB/s), W5's 288 x U[100, 2048] 293.3 vs 306.4, 512 x U[100, 2048] 519.6 vs 538.2 -- but 64 x 2048
 # 131.0 vs 126.3 (the same-length batch keeps the 64-key tile). Half the loop iterations per request: the
 # fixed work per tile (block-table lookups, the softmax rescale) matters most where many requests' contexts end
 # mid-tile. 74 KB of shared memory (offline sm_90 compile), three programs per SM; a cascade launch with it
-# rounds its shared prefix to 128 keys (triton_kernels' ALIGN). NOT in the rule yet: through the engine on
-# another machine (08:43 UTC, decode-only steps of >= 256 requests taking it) W2 gave 20,600 total tok/s and W5
-# 24,052 against 22,772 / 25,189 at 06:15 without it -- beyond the 1-4 % machine spread, so it waits for an
-# A/B on one machine (bench_suite --workloads W2,W5 with and without it) before it becomes the default.
-DECODE_BIG = AttentionConfig(rows=16, tile_n=128, num_warps=4, num_stages=3)
+# rounds its shared prefix to 128 keys (triton_kernels' ALIGN). Through the engine on another machine (08:43
+# UTC) W2 and W5 lost against an earlier machine -- inside the machine spread, so the rule waited for an A/B on
+# one machine. Heads first (NOTE 8), 13:51 UTC: W2 lockstep 500 x 640 310.0 vs DECODE_WIDE's 318.9 us (-2.8 %),
+# 500 x 1100 507.4 vs 522.0, W5 288 x U[100, 2048] 286.5 vs 302.3 (-5.2 %), 64 x 2048 141.9 vs 126.0 (+13 %:
+# small same-length batches keep 64-key tiles). The backend takes it from `plugins.triton.decode_big_min_seqs`.
+DECODE_BIG = AttentionConfig(rows=16, tile_n=128, num_warps=4, num_stages=3, heads_first=True)
 # NOTE 4 (measured, H200, examples/gpu/prefill_sweep.py, 2026-11-29 22:07 UTC, bf16, 32/8 heads, head 128):
 #   8 x 2048 causal: rows 64 tile 64 4 warps 2 stages K-as-rows 332.7 TFLOP/s, best of 40 configs (the
 #   128-row, 5-stage entry predicted by NOTE 1: 320.0; the v1 default 320.9); 1 x 8192: the same entry 385.1,
