@@ -249,7 +249,7 @@ def test_config_rule() -> None:
     assert choose_config(4 * 2048 + 256, 4 + 256, 1) is MIXED  # prefills beside many decodes
     assert choose_config(64, 64, 1) is DECODE_WIDE and choose_config(3 * 64, 64, 1) is DECODE_WIDE  # spec k = 2
     assert choose_config(64, 64, 4) is DECODE  # split-KV keeps the narrow tile
-    # DECODE_BIG (128-key tiles) is measured faster per kernel on large batches but not yet through the engine
+    # DECODE_BIG (128-key tiles) is the backend's choice by batch size (plugins.triton.decode_big_min_seqs)
     assert choose_config(500, 500, 1) is DECODE_WIDE and DECODE_BIG.tile_n == 128
     assert choose_config(8 * 2048, 8, 2) is DECODE  # split-KV only for decode steps
 

@@ -79,7 +79,10 @@ DECODE_WIDE = AttentionConfig(rows=16, tile_n=64, num_warps=4, num_stages=2, hea
 # UTC) W2 and W5 lost against an earlier machine -- inside the machine spread, so the rule waited for an A/B on
 # one machine. Heads first (NOTE 8), 13:51 UTC: W2 lockstep 500 x 640 310.0 vs DECODE_WIDE's 318.9 us (-2.8 %),
 # 500 x 1100 507.4 vs 522.0, W5 288 x U[100, 2048] 286.5 vs 302.3 (-5.2 %), 64 x 2048 141.9 vs 126.0 (+13 %:
-# small same-length batches keep 64-key tiles). The backend takes it from `plugins.triton.decode_big_min_seqs`.
+# small same-length batches keep 64-key tiles). Through the engine, one machine, 13:58-14:05 UTC (`bench_suite.py
+# --workloads W2,W5`, old order A / DECODE_BIG from 256 requests + heads first B, A B A B): W2 22,554 / 22,744 /
+# 22,604 / 22,781 total tok/s (+0.8 %), W5 24,894 / 25,262 / 24,982 / 25,275 (+1.3 %); A/A and B/B within
+# 0.35 %. The backend takes it for decode-only steps of `plugins.triton.decode_big_min_seqs` (256) requests.
 DECODE_BIG = AttentionConfig(rows=16, tile_n=128, num_warps=4, num_stages=3, heads_first=True)
 # NOTE 4 (measured, H200, examples/gpu/prefill_sweep.py, 2026-11-29 22:07 UTC, bf16, 32/8 heads, head 128):
 #   8 x 2048 causal: rows 64 tile 64 4 warps 2 stages K-as-rows 332.7 TFLOP/s, best of 40 configs (the
