@@ -169,6 +169,12 @@ class EngineConfig(_Section):
         "Triton GEMM with SiLU/GELU-and-mul in its epilogue instead of cuBLAS then the activation kernel "
         "(layers/gated_gemm.py); off: on the H200 it ran 0.94x of cuBLAS + the activation at 16,384 rows",
     )
+    compile_ahead: bool = Field(
+        True,
+        description="on CUDA, build the Triton kernels start-up will launch (profiling step, graph capture, "
+        "warm-up) on a thread pool before launching any (layers/compile_ahead.py); false: each compiles where "
+        "it is first launched, one after another",
+    )
     gc_threshold: int | None = Field(
         50_000,
         ge=1,

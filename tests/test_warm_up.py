@@ -60,6 +60,54 @@ def test_warm_up_writes_only_the_null_block_and_changes_no_output(tmp_path: Path
     llm.shutdown()
 
 
+def test_warm_up_kinds_beside_long_prompts(tmp_path: Path) -> None:
+    """With a budget for a long prompt the warm-up adds the steps W1 compiled inside its timed run (NOTE 3):
+    decodes beside a long fresh prompt at both decode entries' sizes, and decodes beside a later chunk and
+    such a prompt; still only the null block is written, and greedy tokens do not change."""
+    from pagedllm import LLM
+
+    llm = LLM(make_tiny_model("llama", tmp_path), attention={"backend": "torch"}, device="cpu", dtype="float32",
+              max_num_seqs=300, max_num_batched_tokens=1024, block_size=16, kv_cache_memory_gb=0.02)
+    reference = _greedy(llm)
+    runner = _runner(llm)
+    before = [c.clone() for c in runner.kv_caches]
+    kinds = runner.warm_up()
+    assert "16 decodes beside a long prompt" in kinds and "256 decodes beside a long prompt" in kinds, kinds
+    assert "16 decodes, a later chunk and a long prompt" in kinds, kinds
+    for c, b in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(c[:, 1:], b[:, 1:])
+    assert runner.compile_ahead() == 0  # CPU: nothing to compile
+    assert _greedy(llm) == reference
+    llm.shutdown()
+
+
+def test_launch_only_compiles_inside_compiling_ahead() -> None:
+    """layers/compile_ahead.launch: a plain launch outside the block; Triton's warmup (compile, no run) with
+    the same grid and arguments inside it; the switch is off again after the block."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from pagedllm.layers import compile_ahead
+
+    if not compile_ahead.available():
+        pytest.skip("this triton has no AsyncCompileMode")
+    calls: list[tuple[Any, ...]] = []
+
+    class Kernel:
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            return lambda *args, **kwargs: calls.append(("run", grid, args, kwargs))
+
+        def warmup(self, *args: Any, grid: tuple[int, ...], **kwargs: Any) -> None:
+            calls.append(("compile", grid, args, kwargs))
+
+    compile_ahead.launch(Kernel(), (3, 2), 1, x=2)
+    with compile_ahead.compiling_ahead(workers=2):
+        assert compile_ahead.compiling()
+        compile_ahead.launch(Kernel(), (3, 2), 1, x=2)
+    assert not compile_ahead.compiling()
+    compile_ahead.launch(Kernel(), (1,), 5)
+    assert calls == [("run", (3, 2), (1,), {"x": 2}), ("compile", (3, 2), (1,), {"x": 2}), ("run", (1,), (5,), {})]
+
+
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
@@ -77,25 +125,25 @@ def _main() -> None:
     import json
     import tempfile
 
-    from pagedllm.plugins.attention import triton_kernels, triton_tuning
+    from pagedllm.plugins.attention import triton_backend, triton_tuning
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
-    names = {id(v): k for k, v in vars(triton_tuning).items() if isinstance(v, triton_tuning.AttentionConfig)}
+    names = {v: k for k, v in vars(triton_tuning).items() if isinstance(v, triton_tuning.AttentionConfig)}
     chosen: list[str] = []
-    choose = triton_kernels.choose_config
+    choose = triton_backend._decode_config  # every unified launch's config (choose_config's, or DECODE_BIG)
 
     def record(*args: Any) -> Any:
         cfg = choose(*args)
-        chosen.append(names.get(id(cfg), repr(cfg)))
+        chosen.append(names.get(cfg, repr(cfg)))
         return cfg
 
     with tempfile.TemporaryDirectory() as root:
         llm = _engine(make_tiny_model("llama", Path(root)), "triton")
         before = _greedy(llm)
-        triton_kernels.choose_config = record
+        triton_backend._decode_config = record
         _runner(llm).warm_up()
-        triton_kernels.choose_config = choose
+        triton_backend._decode_config = choose
         equal = _greedy(llm) == before
         llm.shutdown()
     print(json.dumps({"configs": sorted(set(chosen)), "equal": equal}))

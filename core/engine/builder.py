@@ -254,7 +254,7 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
     num_blocks = _num_blocks(config, layout, device, lambda: profile_activation_bytes(
         model, backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs, device, group_block_sizes,
-        config.max_model_len or trained))
+        config.max_model_len or trained, compile_ahead=config.compile_ahead))
     num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
     model_max = config.max_model_len or trained or 2048
     # A request alone must always fit in the cache, or it could wait forever. Window-aware: a sliding-window
@@ -297,6 +297,8 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         tp_rank=tp_rank, tp_size=tp_size,
     )
     phase("KV cache sizing and allocation")
+    if config.compile_ahead and runner.compile_ahead():  # capture's and warm-up's Triton binaries (NOTE 4 there)
+        phase("Triton compiles ahead")
     if device.type == "cuda" and options.cuda_graphs:
         runner.capture_cuda_graphs()
         phase("CUDA graph capture")

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.compile_ahead import launch
 from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
 from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
 from pagedllm.layers.split_k import reduce_split, split_k
@@ -185,7 +186,8 @@ def dense_gemv(
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
     pdl = pdl_on(flat, "dense")
-    _dense_gemv_kernel[(sk.col_blocks, sk.split)](
+    launch(
+        _dense_gemv_kernel, (sk.col_blocks, sk.split),
         flat, weight, bias if bias is not None else y, y, sk.part, sk.tickets,
         n, k, sk.per_split, sk.split,
         flat.stride(0), weight.stride(0), n,

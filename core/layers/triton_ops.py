@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.compile_ahead import launch
 from pagedllm.layers.pdl import launch_dependents, trigger_on
 
 
@@ -101,7 +102,8 @@ def rms_norm(
         res_out = torch.empty_like(out)
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](
+        launch(
+            _rms_norm_kernel, (rows,),
             x, res_in, weight, out, res_out,
             inner, stride_xa, stride_xb, res_in.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
@@ -180,7 +182,8 @@ def rotary_embedding(
     q = query.view(tokens, -1, head_size)
     k = key.view(tokens, -1, head_size)
     if tokens:
-        _rotary_kernel[(tokens,)](
+        launch(
+            _rotary_kernel, (tokens,),
             positions, cos_cache, sin_cache, q, k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
             NUM_Q=q.shape[1], NUM_K=k.shape[1], HALF=half,
@@ -233,7 +236,8 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     if rows and d:
         block = min(_ACT_BLOCK, triton.next_power_of_2(d))
-        _act_and_mul_kernel[(rows, triton.cdiv(d, block))](
+        launch(
+            _act_and_mul_kernel, (rows, triton.cdiv(d, block)),
             x2, out, x2.stride(0), out.stride(0), d,
             BLOCK=block, GELU_TANH=_ACTIVATIONS[activation], PDL=trigger_on(x2), num_warps=4,
         )

@@ -36,10 +36,19 @@ decodes beside a prompt chunk, prompts. Graph capture and the profiling step rea
 the first mixed step of a fresh process compiled inside the first requests' time -- measured on the H200 as
 a first benchmark process 1.3-2 % slower on W1 than the next ones on the same machine (docs/perf-notes.md
 §17). `warm_up` runs each kind of step once on the null block at start-up, as vLLM's start-up warm-up does.
+The kinds include decodes beside a long fresh prompt (the fresh-prefill route: the decodes then launch
+alone, without the cascade of a decode-only step, at 16 and at 256 requests, the two decode entries) and
+decodes beside a later chunk: W1's mixed steps compiled those inside the timed run (perf-notes §19).
+
+Compile-ahead (NOTE 4). Each of those first launches compiled its Triton binary in turn: ~25 binaries, most
+of a cold start (perf-notes §19). `compile_ahead` first walks the same steps -- every graph size capture will
+take, every warm-up kind -- inside layers/compile_ahead.compiling_ahead(), where the Triton launches only
+compile, on a thread pool; capture and warm-up then find every binary built.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -53,6 +62,7 @@ import torch
 from pagedllm.distributed.communication import tp_broadcast
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_cache.spec import MambaSpec
+from pagedllm.layers.compile_ahead import compile_first
 from pagedllm.sample.metadata import SamplingMetadata, to_device
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
@@ -155,17 +165,45 @@ class ModelRunner:
         Called once after the KV cache is allocated. Capturing writes only to the null block (cuda_graphs.py
         NOTE 2), so it may also run on a live engine between steps.
         """
-        if self._buffers is None or not getattr(self.attn_backend, "supports_cuda_graphs", False):
+        plan = self._graph_plan(sizes, query_lens)
+        if plan is None:
             return []
+        graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
+        with torch.inference_mode():
+            graphs.capture(plan[0], self.block_sizes, plan[1])
+        self._graphs = graphs
+        return graphs.sizes
+
+    def _graph_plan(
+        self, sizes: list[int] | None = None, query_lens: tuple[int, ...] | None = None
+    ) -> tuple[list[int], tuple[int, ...]] | None:
+        """(batch sizes, uniform query lengths) capture_cuda_graphs takes, or None where nothing is captured."""
+        if self._buffers is None or not getattr(self.attn_backend, "supports_cuda_graphs", False):
+            return None
         sizes = sizes or list(self.options.graph_batch_sizes or graph_ladder(self.options.max_num_seqs))
         lens = self.options.uniform_query_lens if query_lens is None else query_lens
         if any(isinstance(getattr(m, "spec", None), MambaSpec) for m in self.model.modules()):
             lens = ()
-        graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
-        with torch.inference_mode():
-            graphs.capture(sizes, self.block_sizes, lens)
-        self._graphs = graphs
-        return graphs.sizes
+        return sizes, lens
+
+    def compile_ahead(self) -> int:
+        """Build the Triton binaries of every step graph capture and warm_up() will run, on a thread pool,
+        before either launches one (NOTE 4); returns the steps walked (0: not CUDA, a Triton without
+        thread-pool compiles, or a failure, logged). Launches there only compile: the KV cache is not written."""
+        if self.device.type != "cuda":
+            return 0
+        plan = self._graph_plan() if self.options.cuda_graphs else None
+        steps: list[int] = []
+
+        def walk() -> None:
+            with torch.inference_mode():
+                if plan is not None:
+                    graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
+                    steps.append(graphs.compile_ahead(plan[0], self.block_sizes, plan[1]))
+                steps.append(len(self._run_warm_up_kinds()))
+
+        compile_first(walk)
+        return sum(steps)
 
     def release_cuda_graphs(self) -> None:
         """Destroy the captured graphs (before leaving a tensor-parallel group: cuda_graphs.py NOTE 5)."""
@@ -497,12 +535,15 @@ class ModelRunner:
         in graph capture), so the KV cache's blocks 1.. are untouched. Returns the kinds run; none for models
         with state layers or several KV-cache groups (their steps need per-request state slots and tables).
         """
-        if len(self.block_sizes) > 1 or any(isinstance(getattr(m, "spec", None), MambaSpec)
-                                            for m in self.model.modules()):
-            return []
+        kinds = self._run_warm_up_kinds()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return kinds
+
+    def _warm_up_kinds(self) -> list[tuple[str, list[int], list[int], int]]:
+        """(kind, tokens already computed per request, tokens scheduled per request, leading decodes)."""
         opts = self.options
         seqs, budget, ctx = opts.max_num_seqs, opts.max_num_tokens, min(64, opts.max_model_len - 1)
-        # (kind, tokens already computed per request, tokens scheduled per request, leading decodes)
         kinds: list[tuple[str, list[int], list[int], int]] = [
             ("decode, few requests (split-KV)", [ctx] * min(2, seqs), [1] * min(2, seqs), min(2, seqs)),
             ("decode, many requests", [ctx] * min(256, seqs, budget), [1] * min(256, seqs, budget),
@@ -511,18 +552,35 @@ class ModelRunner:
         if seqs >= 4 and budget > 3 + 16:
             chunk = min(64, budget - 3, opts.max_model_len)
             kinds.append(("decodes beside a prompt chunk", [ctx] * 3 + [0], [1] * 3 + [chunk], 3))
+        # NOTE 3: a long fresh prompt after the decodes (the fresh route: the decodes launch alone), at both
+        # decode entries' batch sizes; then decodes, a later chunk (few tokens per request) and such a prompt.
+        for decodes in sorted({min(16, seqs - 1), min(256, seqs - 1)}):
+            long = min(2048, budget - decodes - 32, opts.max_model_len - 1)
+            if decodes < 1 or long < 256:
+                continue
+            kinds.append((f"{decodes} decodes beside a long prompt", [ctx] * decodes + [0],
+                          [1] * decodes + [long], decodes))
+            if decodes == min(16, seqs - 1) and decodes + 2 <= seqs and ctx + 32 < opts.max_model_len:
+                kinds.append((f"{decodes} decodes, a later chunk and a long prompt", [ctx] * decodes + [ctx, 0],
+                              [1] * decodes + [32, long], decodes))
         prompt = min(128, budget // min(2, seqs), opts.max_model_len)
         kinds.append(("prompts", [0] * min(2, seqs), [prompt] * min(2, seqs), 0))
         if opts.max_model_len > 2 * prompt and budget >= prompt:
             kinds.append(("a later chunk of a prompt", [prompt], [prompt], 0))
+        return kinds
+
+    def _run_warm_up_kinds(self) -> list[str]:
+        """One eager forward (and its logits) of each warm-up kind on the null block; the kinds run."""
+        if len(self.block_sizes) > 1 or any(isinstance(getattr(m, "spec", None), MambaSpec)
+                                            for m in self.model.modules()):
+            return []
+        kinds = self._warm_up_kinds()
         for _, computed, sched, decodes in kinds:
             lens = [c + s for c, s in zip(computed, sched, strict=True)]
             token_ids = [[0] * n for n in lens]
             block_ids = [[0] * -(-n // self.block_size) for n in lens]
             inputs, hidden = self._forward(token_ids, computed, sched, block_ids, decodes, use_graphs=False)
             self.model.compute_logits(hidden[inputs.logits_indices[: len(lens)]])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         return [kind for kind, *_ in kinds]
 
 
@@ -537,6 +595,7 @@ def profile_activation_bytes(
     device: torch.device,
     group_block_sizes: list[int] | None = None,
     max_seq_len: int | None = None,
+    compile_ahead: bool = True,
 ) -> int:
     """Peak bytes the largest step allocates beyond what is live now (CUDA only; 0 elsewhere).
 
@@ -568,7 +627,10 @@ def profile_activation_bytes(
     inputs = prepare_inputs(
         [[0] * n for n in lens], [0] * len(lens), lens, tables[0], block_size, device, 0, more
     )
-    hidden = model(inputs.input_ids, inputs.positions, build_attn_metadata(backend, inputs), caches)
+    # NOTE 4: this step's Triton binaries built in parallel first (the same tensors, so the same peak).
+    if compile_ahead:
+        compile_first(functools.partial(_forward_once, model, backend, inputs, caches))
+    hidden = _forward_once(model, backend, inputs, caches)
     rows = min(num_logit_rows, num_tokens)
     model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
     torch.cuda.synchronize(device)
@@ -576,6 +638,10 @@ def profile_activation_bytes(
     del caches, hidden, inputs
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def _forward_once(model: Any, backend: Any, inputs: Any, caches: list[torch.Tensor]) -> torch.Tensor:
+    return model(inputs.input_ids, inputs.positions, build_attn_metadata(backend, inputs), caches)
 
 
 def profile_batch(

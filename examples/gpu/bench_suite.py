@@ -273,6 +273,7 @@ def main() -> int:
     print(f"startup {result['startup_s']} s; KV {result['kv_cache_tokens']:,} tokens; "
           f"copy {result['copy_bandwidth_gbs']} GB/s; weights {result['weight_bytes'] / 1e9:.2f} GB; "
           f"W3 limit {result['w3_limit_ms']} ms", flush=True)
+    print("\n".join(line for line in result["selections"].splitlines() if line.startswith("start-up:")), flush=True)
     if args.quantization:
         result["w4a16_routes"] = w4a16_routes(args.quantization)
         result["w4a16_graph_replay_max_diff"] = graph_replay_check(llm.engine.parts.model)

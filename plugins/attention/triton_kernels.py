@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.compile_ahead import launch
 from pagedllm.plugins.attention.triton_tuning import AttentionConfig, choose_config
 
 # Merge programs take several heads each above this many (token, head) rows (_reduce_segments_kernel).
@@ -129,7 +130,8 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
-    _reshape_and_cache_kernel[(num_tokens,)](
+    launch(
+        _reshape_and_cache_kernel, (num_tokens,),
         key, value, kv_cache, slots,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), 1.0 / k_scale, 1.0 / v_scale,
@@ -529,7 +531,8 @@ def unified_attention(
     else:
         seg_out = seg_max = seg_sum = out  # unused
     cascade_arg = cascade if use_cascade else seq_lens  # any int32 tensor: unread without CASCADE
-    _unified_attention_kernel[grid](
+    launch(
+        _unified_attention_kernel, grid,
         query, kv_cache, out, seg_out, seg_max, seg_sum,
         query_start_loc, seq_lens, block_table, cascade_arg,
         num_seqs, scale * k_scale, soft_cap or 0.0, sliding_window or 0, v_scale, num_segments, seg_total,
@@ -549,7 +552,8 @@ def unified_attention(
         prefix_tile = 16 if _interpreting() else 64
         assert align % tile == 0 and align % prefix_tile == 0, "both kernels' tiles must end at the aligned prefix"
         prefix_m = max(64, triton.next_power_of_2(group))
-        _prefix_attention_kernel[(triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments)](
+        launch(
+            _prefix_attention_kernel, (triton.cdiv(num_seqs * group, prefix_m), kv_heads, prefix_segments),
             query, kv_cache, seg_out, seg_max, seg_sum, block_table, cascade_arg,
             num_seqs, scale * k_scale, soft_cap or 0.0, v_scale, num_segments, prefix_segments, seg_total,
             query.stride(0), query.stride(1),
@@ -561,7 +565,8 @@ def unified_attention(
         # Heads per merge program: one while the grid is small (a split single stream keeps every head in
         # parallel), up to 8 for large batches (far fewer programs when a cascade graph's prefix is 0).
         heads = math.gcd(num_heads, 8) if num_tokens * num_heads > MERGE_HEADS_MIN_ROWS else 1
-        _reduce_segments_kernel[(num_tokens, num_heads // heads)](
+        launch(
+            _reduce_segments_kernel, (num_tokens, num_heads // heads),
             out, seg_out, seg_max, seg_sum, cascade_arg, out.stride(0), out.stride(1), num_segments, seg_total,
             NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, CASCADE=use_cascade, CHUNK=32, HEADS=heads,
             ALIGN=align,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.compile_ahead import launch
 from pagedllm.plugins.attention.triton_kernels import softcap_log2, softmax_step
 from pagedllm.plugins.attention.triton_tuning import FRESH_PREFILL, FreshPrefillConfig
 
@@ -261,7 +262,8 @@ def fresh_prefill_attention(
     elif mode == "device":
         _set_allocator(query.device)
     grid = (plan.shape[0], kv_heads if pack else num_heads)
-    _fresh_prefill_kernel[grid](
+    launch(
+        _fresh_prefill_kernel, grid,
         q_src, k_src, v_src, out, plan,
         num_rows, scale, soft_cap or 0.0, sliding_window or 0,
         query.stride(0), query.stride(1), key.stride(0), value.stride(0), out.stride(0), out.stride(1),

@@ -1,0 +1,82 @@
+"""Compile-ahead: every Triton binary a start-up will launch, built in parallel before it launches any.
+
+A cold start compiled its Triton kernels one after another where they were first launched -- the profiling
+step, each captured graph size, each warm-up kind -- ~25 binaries, 15-20 s of a 30-40 s start on the H200
+(docs/perf-notes.md §19). Triton builds a binary per specialisation (constexprs, launch options, which
+pointers and integers are 16-divisible), so only a launch with the real arguments names the binary the real
+launch will want. Inside `compiling_ahead()` the launch sites that go through `launch()` ask Triton for that
+binary without running it (Triton's `warmup`: the same specialisation as the launch) and Triton's
+AsyncCompileMode builds them on a thread pool (its MLIR passes and ptxas run outside the GIL); leaving the
+block waits for all of them. The model runner walks its warm-up kinds and graph sizes that way first
+(ModelRunner.compile_ahead), then captures and warms up with every binary already in Triton's cache.
+
+In that pass nothing a `launch()` names runs: its outputs hold whatever memory they were given, the KV cache
+is not written, and torch's own ops compute on that garbage -- harmless, as no value is read back. A kernel
+launched another way (kernel[grid](...) directly) runs as usual there: it compiles in the calling thread.
+Light module: triton is imported only when compiling ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("pagedllm_compile_only", default=False)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)`; inside compiling_ahead(), only its compile (nothing runs)."""
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def compiling() -> bool:
+    """Whether launches only compile now (a caller may skip work whose result only a real launch uses)."""
+    return _COMPILE_ONLY.get()
+
+
+def available() -> bool:
+    """Whether this Triton can compile on a thread pool (AsyncCompileMode: Triton >= 3.4)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextmanager
+def compiling_ahead(workers: int | None = None) -> Iterator[None]:
+    """Launches through `launch()` only compile, on `workers` threads (default: the CPUs this process may
+    use); leaving the block waits for every compile and raises the first that failed."""
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
+        token = _COMPILE_ONLY.set(True)
+        try:
+            with AsyncCompileMode(pool):
+                yield
+        finally:
+            _COMPILE_ONLY.reset(token)
+
+
+def compile_first(fn: Callable[[], object]) -> None:
+    """Call `fn` once inside compiling_ahead() where this Triton can, so that the real call after it finds its
+    binaries built in parallel. A failure is logged, not raised: the real call compiles what is missing."""
+    if not available():
+        return
+    try:
+        with compiling_ahead():
+            fn()
+    except Exception:  # noqa: BLE001 - an optimisation; the real call reports a real error
+        logger.warning("compiling Triton kernels ahead failed; they compile on first use", exc_info=True)
