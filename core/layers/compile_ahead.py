@@ -39,11 +39,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         kernel[grid](*args, **kwargs)
 
 
-def compiling() -> bool:
-    """Whether launches only compile now (a caller may skip work whose result only a real launch uses)."""
-    return _COMPILE_ONLY.get()
-
-
 def available() -> bool:
     """Whether this Triton can compile on a thread pool (AsyncCompileMode: Triton >= 3.4)."""
     try:
