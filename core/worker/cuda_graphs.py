@@ -297,17 +297,17 @@ class DecodeGraphs:
         then the same for each q in `query_lens` (sizes whose q-token steps fit the buffers)."""
         self._pool = torch.cuda.graph_pool_handle()
         plan = self._plan(sizes, block_sizes, query_lens)
-        for size, q in plan:
-            inputs, metadata = self._dummy_step(size, q, block_sizes)
-            # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
-            self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-            self._graphs[(size, q)] = (graph, hidden, metadata)
-        self.sizes_by_query_len = {q: sorted(s for s, sq in plan if sq == q) for q in self._query_lens(
-            block_sizes, query_lens)}
+        for q, fitting in plan.items():
+            for size in fitting:
+                inputs, metadata = self._dummy_step(size, q, block_sizes)
+                # Warm-up outside the graph: Triton compiles, cuBLAS picks kernels, lazy buffers get allocated.
+                self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    hidden = self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+                self._graphs[(size, q)] = (graph, hidden, metadata)
+        self.sizes_by_query_len = {q: sorted(fitting) for q, fitting in plan.items()}
         torch.cuda.synchronize()
         self.sizes = self.sizes_by_query_len[1]
         logger.info("captured CUDA graphs for batch sizes (query length: sizes) %s", self.sizes_by_query_len)
@@ -317,22 +317,21 @@ class DecodeGraphs:
         layers/compile_ahead.compiling_ahead() its Triton launches only compile (model_runner NOTE 4).
         Returns the steps run."""
         plan = self._plan(sizes, block_sizes, query_lens)
-        for size, q in plan:
-            inputs, metadata = self._dummy_step(size, q, block_sizes)
-            self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-        return len(plan)
+        for q, fitting in plan.items():
+            for size in fitting:
+                inputs, metadata = self._dummy_step(size, q, block_sizes)
+                self.model(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+        return sum(len(fitting) for fitting in plan.values())
 
-    def _query_lens(self, block_sizes: list[int], query_lens: tuple[int, ...]) -> list[int]:
-        # q <= block_size: padding requests stay within the null block; and within the backend's bound.
+    def _plan(self, sizes: list[int], block_sizes: list[int], query_lens: tuple[int, ...]) -> dict[int, list[int]]:
+        """Query length -> the sizes captured for it, largest first (capture order): q = 1, then each q of
+        `query_lens` within the block size and the backend's bound (padding requests stay within the null
+        block), each with the sizes whose steps fit the buffers."""
         max_q = min(min(block_sizes), getattr(self.backend, "cuda_graph_max_query_len", min(block_sizes)))
-        return [1] + sorted({q for q in query_lens if 1 < q <= max_q})
-
-    def _plan(self, sizes: list[int], block_sizes: list[int], query_lens: tuple[int, ...]) -> list[tuple[int, int]]:
-        """(size, q) of every graph, in capture order: per query length, the sizes that fit, largest first."""
+        lens = [1] + sorted({q for q in query_lens if 1 < q <= max_q})
         buffers = self.buffers
-        return [(size, q) for q in self._query_lens(block_sizes, query_lens)
-                for size in sorted((s for s in sizes if s <= buffers.max_reqs and s * q <= buffers.max_tokens),
-                                   reverse=True)]
+        return {q: sorted((s for s in sizes if s <= buffers.max_reqs and s * q <= buffers.max_tokens), reverse=True)
+                for q in lens}
 
     def _dummy_step(self, size: int, q: int, block_sizes: list[int]) -> tuple[StepInputs, Any]:
         """A graph's dummy inputs, loaded into the buffers, and the attention metadata it is captured with."""
