@@ -102,7 +102,7 @@ def test_uniform_multi_token_padding() -> None:
 def test_profile_batch_stays_within_positions_and_disjoint_blocks() -> None:
     """The memory-profiling step of a 16,384-token budget on an 8,192-position model (the H200 default) is cut
     into sequences that never index positions past the model's end, over blocks no two sequences share."""
-    from pagedllm.worker.model_runner import profile_batch
+    from pagedllm.worker.memory_profile import profile_batch
 
     for num_tokens, max_len, sizes in ((16384, 8192, [16]), (100, 30, [4, 8]), (7, None, [16])):
         lens, tables = profile_batch(num_tokens, max_len, sizes)

@@ -37,7 +37,8 @@ from pagedllm.sched.base import SchedulerContext
 from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.selector import Selection, SelectionError, select
 from pagedllm.worker.cuda_graphs import GPURunnerOptions
-from pagedllm.worker.model_runner import ModelRunner, profile_activation_bytes
+from pagedllm.worker.memory_profile import profile_activation_bytes
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 

@@ -1,0 +1,87 @@
+"""The profiling step: the largest step run once, so the builder sizes the KV cache from what is left of the
+GPU's memory (model_runner's docstring; its NOTE 4 for the compile-ahead pass before it)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.layers.compile_ahead import compile_first
+from pagedllm.worker.input_prep import build_attn_metadata, prepare_inputs
+
+
+@torch.inference_mode()
+def profile_activation_bytes(
+    model: Any,
+    backend: Any,
+    specs: list[Any],
+    block_size: int,
+    num_tokens: int,
+    num_logit_rows: int,
+    device: torch.device,
+    group_block_sizes: list[int] | None = None,
+    max_seq_len: int | None = None,
+    compile_ahead: bool = True,
+) -> int:
+    """Peak bytes the largest step allocates beyond what is live now (CUDA only; 0 elsewhere).
+
+    Runs one prefill of `num_tokens` tokens (the scheduler's token budget) through the model and the logits of
+    `num_logit_rows` rows, against a throw-away KV cache just large enough for it, and reads the allocator's
+    peak. The builder subtracts this (and everything already allocated) from the memory budget before
+    sizing the real cache. A hybrid model passes each KV-cache group's block size in `group_block_sizes`
+    (the first is block_size); every group gets its own block table over the same throw-away blocks.
+    The tokens are cut into sequences of at most `max_seq_len` (the model's positions): a budget larger than
+    the context (16,384 tokens for an 8,192-position model) must not index the rotary tables past their end.
+    """
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    lens, tables = profile_batch(num_tokens, max_seq_len, [block_size, *(group_block_sizes or [])[1:]])
+    # Each sequence may round up a partial block of its own; block 0 is the null block.
+    num_blocks = -(-num_tokens // min(group_block_sizes or [block_size])) + len(lens) + 1
+    caches = [
+        torch.empty(s.own_cache_shape(num_blocks)  # a layer type with its own layout (Mamba state)
+                    or backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size),
+                    dtype=s.dtype, device=device)
+        for s in specs
+    ]
+    cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    more = list(zip(tables[1:], (group_block_sizes or [])[1:], strict=True))
+    inputs = prepare_inputs(
+        [[0] * n for n in lens], [0] * len(lens), lens, tables[0], block_size, device, 0, more
+    )
+    # model_runner NOTE 4: this step's Triton binaries built in parallel first (same tensors, same peak).
+    if compile_ahead:
+        compile_first(functools.partial(_forward_once, model, backend, inputs, caches))
+    hidden = _forward_once(model, backend, inputs, caches)
+    rows = min(num_logit_rows, num_tokens)
+    model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
+    del caches, hidden, inputs
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def _forward_once(model: Any, backend: Any, inputs: Any, caches: list[torch.Tensor]) -> torch.Tensor:
+    return model(inputs.input_ids, inputs.positions, build_attn_metadata(backend, inputs), caches)
+
+
+def profile_batch(
+    num_tokens: int, max_seq_len: int | None, block_sizes: list[int]
+) -> tuple[list[int], list[list[list[int]]]]:
+    """The profiling step's shape: sequence lengths (each <= max_seq_len) summing to num_tokens, and per
+    group (one per block size) a block table per sequence over disjoint block ranges from block 1 on."""
+    seq = max(1, min(num_tokens, max_seq_len or num_tokens))
+    lens = [seq] * (num_tokens // seq) + ([num_tokens % seq] if num_tokens % seq else [])
+    tables = []
+    for size in block_sizes:
+        starts = np.cumsum([0] + [-(-n // size) for n in lens])
+        tables.append([list(range(1 + int(a), 1 + int(b))) for a, b in zip(starts[:-1], starts[1:], strict=True)])
+    return lens, tables
