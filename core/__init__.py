@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.hookspecs import hookimpl
 
 __version__ = "0.1.0"
-# Plugins declare the range of this they support (see docs/plugins/); bumped on breaking protocol changes.
-PLUGIN_API_VERSION = 1
+# The plugin API's version (semver over pagedllm.api; plugins declare the majors they support).
+from pagedllm.api import API_VERSION, PLUGIN_API_VERSION  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput", "hookimpl", "PLUGIN_API_VERSION"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput", "hookimpl", "PLUGIN_API_VERSION", "API_VERSION"]
 
 _LAZY = {
     "LLM": "pagedllm.engine.llm",

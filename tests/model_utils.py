@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-from pagedllm.plugins.loaders.hf_loader import HFLoader
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+from pagedllm.plugins.loaders.hf.loader import HFLoader
 from pagedllm.protocols.model import ModelBuildContext
 from pagedllm.worker.input_prep import prepare_inputs
 
@@ -42,9 +42,9 @@ def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def load_ours(path: str, block_size: int = 4) -> tuple[torch.nn.Module, ModelBuildContext]:
     """Our model for the HF folder at `path`: float32, CPU, torch backend, loaded through HFLoader."""
-    from pagedllm.plugins.models.llama_model import LlamaForCausalLM
-    from pagedllm.plugins.models.qwen2_model import Qwen2ForCausalLM
-    from pagedllm.plugins.models.qwen3_model import Qwen3ForCausalLM
+    from pagedllm.plugins.models.llama.model import LlamaForCausalLM
+    from pagedllm.plugins.models.llama.qwen2 import Qwen2ForCausalLM
+    from pagedllm.plugins.models.llama.qwen3 import Qwen3ForCausalLM
 
     classes = {
         "LlamaForCausalLM": LlamaForCausalLM,

@@ -144,7 +144,7 @@ def test_async_scheduling_refused_with_speculation(model_dir: str, monkeypatch: 
 def test_scheduler_plugins_opt_in(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduler policy runs pipelined only if it declares supports_async_scheduling (the base class does
     not); asking for async scheduling with one that does not names the plugin."""
-    from pagedllm.plugins.schedulers.fcfs_scheduler import FCFSScheduler
+    from pagedllm.plugins.schedulers.fcfs.scheduler import FCFSScheduler
     from pagedllm.sched.base import SchedulerBase
 
     assert SchedulerBase.supports_async_scheduling is False and FCFSScheduler.supports_async_scheduling is True
@@ -158,7 +158,7 @@ def test_refused_config_stops_remote_ranks(model_dir: str, monkeypatch: pytest.M
     with tp=2 and a scheduler that does not declare it) raises, and leaves no rank process behind."""
     import multiprocessing
 
-    from pagedllm.plugins.schedulers.fcfs_scheduler import FCFSScheduler
+    from pagedllm.plugins.schedulers.fcfs.scheduler import FCFSScheduler
 
     monkeypatch.setattr(FCFSScheduler, "supports_async_scheduling", False)  # rank 0's core alone decides
     before = set(multiprocessing.active_children())

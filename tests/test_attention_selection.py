@@ -197,8 +197,8 @@ def test_priority_for_that_raises_falls_back_to_the_fixed_priority() -> None:
 
 def test_flashinfer_page_plan_describes_the_torch_backends_context() -> None:
     """FlashInfer's CSR arrays, read back the way FlashInfer defines them, give the torch oracle's answer."""
-    from pagedllm.plugins.attention.flashinfer_plan import paged_kv_plan
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.flashinfer.plan import paged_kv_plan
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
     from pagedllm.protocols.attention import AttentionLayerConfig
     from pagedllm.worker.input_prep import prepare_inputs
 

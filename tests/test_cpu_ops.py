@@ -19,7 +19,7 @@ from pagedllm.layers.cpu_ops import cpu_ops
 from pagedllm.layers.fused_ops import set_cpu_ops
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.worker.input_prep import prepare_inputs
 

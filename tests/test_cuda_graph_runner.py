@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.worker.cuda_graphs import StepBuffers, graph_ladder, padded_size
 from pagedllm.worker.input_prep import plan_inputs, prepare_inputs

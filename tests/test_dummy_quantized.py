@@ -21,7 +21,7 @@ import torch
 from tiny_models import tiny_config
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, dequantize, unpack_codes
+from pagedllm.plugins.quantization.w4a16.layout import PackedLayout, dequantize, unpack_codes
 
 GROUP = 32  # the tiny model's hidden size is 64: two groups per row
 
@@ -99,7 +99,7 @@ def test_random_gguf_blocks_decode_to_small_finite_weights(name: str) -> None:
     import gguf
     import numpy as np
 
-    from pagedllm.plugins.quantization.gguf_blocks import Q, random_blocks
+    from pagedllm.formats.gguf_blocks import Q, random_blocks
 
     t = Q[name]
     blocks = random_blocks(t, 8, 512, torch.Generator().manual_seed(0), torch.device("cpu"))
@@ -158,8 +158,8 @@ def test_w4a16_routes_decode_to_the_gemv_and_large_batches_to_cublas() -> None:
     test_quant_w4a16_dequant.py for why the parent process keeps it unimported)."""
     code = (
         "import json, torch\n"
-        "from pagedllm.plugins.quantization.w4a16_kernel import w4a16_route\n"
-        "from pagedllm.plugins.quantization.w4a16_layout import PackedLayout\n"
+        "from pagedllm.plugins.quantization.w4a16.kernel import w4a16_route\n"
+        "from pagedllm.plugins.quantization.w4a16.layout import PackedLayout\n"
         "lay = PackedLayout('gptq', 4, 128, 1)\n"
         "ms = [1, 2, 4, 8, 9, 16, 17, 64, 127, 128, 512, 16384]\n"
         "g = torch.zeros(4096, dtype=torch.int32)\n"

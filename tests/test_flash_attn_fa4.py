@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pagedllm.plugins.attention import flash_attn
-from pagedllm.plugins.attention.flash_attn_backend import FlashAttnImpl, FlashAttnMetadata
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.plugins.attention.flash_attn.backend import FlashAttnImpl, FlashAttnMetadata
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.worker.input_prep import prepare_inputs
@@ -107,7 +107,7 @@ def test_fa4_arguments_match_the_torch_reference(opts: dict[str, Any]) -> None:
 def test_only_fa4_declares_cuda_graphs(monkeypatch: pytest.MonkeyPatch, name: str, graphs: bool) -> None:
     """fa4 reads context lengths from device tensors only (capturable); fa2 takes max_seqlen_k as a host int a
     graph would freeze, fa3 never ran here: preload() declares graphs for the variant this GPU runs."""
-    from pagedllm.plugins.attention import flash_attn_backend as fab
+    from pagedllm.plugins.attention.flash_attn import backend as fab
 
     variant = flash_attn.Variant(name, "m", "d", "1", (9, 0), 12, 1)
     monkeypatch.setattr(flash_attn, "installed_variants", lambda: [variant])

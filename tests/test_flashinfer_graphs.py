@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from pagedllm.plugins.attention.flashinfer_plan import GraphDecodeBuffers, graph_decode_part
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.plugins.attention.flashinfer.plan import GraphDecodeBuffers, graph_decode_part
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.worker.cuda_graphs import DecodeGraphs, StepBuffers
 from pagedllm.worker.input_prep import plan_inputs, prepare_inputs
@@ -260,7 +260,7 @@ class _DecodeWrapper:
 @pytest.fixture
 def flashinfer_backend(monkeypatch: pytest.MonkeyPatch, fake_cuda_graphs: None) -> Iterator[Any]:
     """The real flashinfer_backend module, imported against the stand-in `flashinfer` (and removed after)."""
-    from pagedllm.plugins.attention import triton_kernels
+    from pagedllm.plugins.attention.triton import kernels as triton_kernels
 
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = _DecodeWrapper  # type: ignore[attr-defined]
@@ -272,7 +272,7 @@ def flashinfer_backend(monkeypatch: pytest.MonkeyPatch, fake_cuda_graphs: None) 
         flat[0, slots], flat[1, slots] = key, value
 
     monkeypatch.setattr(triton_kernels, "reshape_and_cache", write_kv)
-    package, name = importlib.import_module("pagedllm.plugins.attention"), "pagedllm.plugins.attention.flashinfer_backend"
+    package, name = importlib.import_module("pagedllm.plugins.attention"), "pagedllm.plugins.attention.flashinfer.backend"
     previous = sys.modules.pop(name, None)
     _DecodeWrapper.made.clear()
     try:

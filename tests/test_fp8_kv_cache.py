@@ -84,7 +84,7 @@ def _run(
 
 
 def _torch_backend() -> Any:
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 
     return TorchSDPABackend
 
@@ -101,7 +101,7 @@ def test_torch_fp8_within_bound_of_fp32_cache(case: str) -> None:
 
 
 def test_fp8_store_saturates_instead_of_overflowing() -> None:
-    from pagedllm.plugins.attention.torch_sdpa_backend import _store
+    from pagedllm.plugins.attention.torch_sdpa.backend import _store
 
     flat = torch.zeros(4, 1, 2, dtype=torch.float8_e4m3fn)
     _store(flat, torch.tensor([1]), torch.tensor([[[1000.0, -3.0]]]), scale=2.0)
@@ -190,7 +190,7 @@ def _engine_case() -> dict[str, Any]:
 
 def _main() -> None:
     """Child process: every case under the interpreter, one JSON line on stdout."""
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)

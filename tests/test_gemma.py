@@ -17,8 +17,8 @@ from tiny_models import hf_greedy_with
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv_cache.block_pool import BlockPool
-from pagedllm.plugins.kvmanagers.full_attention_manager import FullAttentionManager
-from pagedllm.plugins.kvmanagers.sliding_window_manager import SlidingWindowManager
+from pagedllm.plugins.kvmanagers.full_attention.manager import FullAttentionManager
+from pagedllm.plugins.kvmanagers.sliding_window.manager import SlidingWindowManager
 
 WINDOW, BLOCK, VOCAB, NEW, TOP_N = 8, 4, 384, 32, 5
 MAX_BLOCKS = math.ceil(WINDOW / BLOCK) + 1  # the bound per request per sliding layer group

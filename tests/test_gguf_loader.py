@@ -24,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagedllm.default_model import INSTALL_COMMAND, default_model_path, resolve_model_reference
-from pagedllm.plugins.loaders.gguf_loader import GGUFError, GGUFLoader, iter_hf_weights
+from pagedllm.plugins.loaders.gguf.loader import GGUFError, GGUFLoader, iter_hf_weights
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. The real default model against transformers
@@ -356,7 +356,7 @@ def test_header_reader_agrees_with_gguf_py(
     arch: str, tiny_files: dict[str, tuple[Path, dict[str, np.ndarray]]]
 ) -> None:
     """Our struct-based header reader sees exactly what gguf-py's GGUFReader sees: metadata, table, bytes."""
-    from pagedllm.plugins.loaders.gguf_file import GGUFFile
+    from pagedllm.plugins.loaders.gguf.file import GGUFFile
 
     path = str(tiny_files[arch][0])
     ours, theirs = GGUFFile(path), gguf.GGUFReader(path)

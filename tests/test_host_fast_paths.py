@@ -15,8 +15,8 @@ from test_kv_cache_manager import make_manager, make_request
 
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCacheManager
 from pagedllm.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-from pagedllm.plugins.kvmanagers.full_attention_manager import FullAttentionManager
-from pagedllm.plugins.kvmanagers.sliding_window_manager import SlidingWindowManager
+from pagedllm.plugins.kvmanagers.full_attention.manager import FullAttentionManager
+from pagedllm.plugins.kvmanagers.sliding_window.manager import SlidingWindowManager
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_prep import BlockTableCache, plan_inputs

@@ -21,7 +21,7 @@ from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups, group_layers
 from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedllm.layers.attention import Attention
-from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
 from pagedllm.protocols.attention import KVGroupMetadata
 from pagedllm.protocols.model import ModelBuildContext
 from pagedllm.worker.cuda_graphs import StepBuffers

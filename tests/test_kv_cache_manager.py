@@ -24,7 +24,7 @@ from pagedllm.kv_cache.kv_cache_manager import (
 )
 from pagedllm.kv_cache.single_type_manager import cdiv
 from pagedllm.kv_cache.spec import FullAttentionSpec, KVCacheSpec
-from pagedllm.plugins.kvmanagers.full_attention_manager import FullAttentionManager
+from pagedllm.plugins.kvmanagers.full_attention.manager import FullAttentionManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 

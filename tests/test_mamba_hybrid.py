@@ -17,7 +17,7 @@ from tiny_models import hf_greedy_with
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv_cache.spec import FullAttentionSpec, MambaSpec
-from pagedllm.plugins.kvmanagers.mamba_manager import MambaManager
+from pagedllm.plugins.kvmanagers.mamba.manager import MambaManager
 
 VOCAB = 384
 BLOCK = 4

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.mamba_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from pagedllm.layers.mamba_selective_scan import selective_scan_varlen, selective_state_update
-from pagedllm.layers.mamba_ssd import ssd_chunk_scan_varlen
+from pagedllm.plugins.models.mamba.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from pagedllm.plugins.models.mamba.selective_scan import selective_scan_varlen, selective_state_update
+from pagedllm.plugins.models.mamba.ssd import ssd_chunk_scan_varlen
 
 LENS = [7, 1, 13, 3]  # one request shorter than the conv window, one of a single token
 SLOTS = [5, 2, 7, 0]

@@ -17,7 +17,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.spec import MambaSpec
-from pagedllm.plugins.kvmanagers.mamba_manager import MambaManager
+from pagedllm.plugins.kvmanagers.mamba.manager import MambaManager
 
 VOCAB = 384
 BLOCK = 4

@@ -101,8 +101,8 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _ssu_case(heads: int, head_dim: int, groups: int, state: int, z: bool, dtype: str) -> dict[str, Any]:
-    from pagedllm.layers.mamba_selective_scan import selective_state_update
-    from pagedllm.layers.mamba_triton import triton_selective_state_update
+    from pagedllm.plugins.models.mamba.selective_scan import selective_state_update
+    from pagedllm.plugins.models.mamba.triton_kernels import triton_selective_state_update
 
     dt_ = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -137,8 +137,8 @@ def _ssu_case(heads: int, head_dim: int, groups: int, state: int, z: bool, dtype
 
 
 def _conv_case(dtype: str) -> dict[str, Any]:
-    from pagedllm.layers.mamba_conv1d import causal_conv1d_update
-    from pagedllm.layers.mamba_triton import triton_conv1d_update
+    from pagedllm.plugins.models.mamba.conv1d import causal_conv1d_update
+    from pagedllm.plugins.models.mamba.triton_kernels import triton_conv1d_update
 
     dt_ = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -159,9 +159,9 @@ def _conv_case(dtype: str) -> dict[str, Any]:
 
 
 def _scan_case(kind: str, dtype: str) -> dict[str, Any]:
-    from pagedllm.layers.mamba_selective_scan import selective_scan_varlen
-    from pagedllm.layers.mamba_ssd import ssd_chunk_scan_varlen
-    from pagedllm.layers.mamba_triton import triton_scan_varlen
+    from pagedllm.plugins.models.mamba.selective_scan import selective_scan_varlen
+    from pagedllm.plugins.models.mamba.ssd import ssd_chunk_scan_varlen
+    from pagedllm.plugins.models.mamba.triton_kernels import triton_scan_varlen
 
     dt_ = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(2)
@@ -207,8 +207,8 @@ def _scan_case(kind: str, dtype: str) -> dict[str, Any]:
 
 
 def _conv_varlen_case(dtype: str) -> dict[str, Any]:
-    from pagedllm.layers.mamba_conv1d import causal_conv1d_varlen
-    from pagedllm.layers.mamba_triton import triton_conv1d_varlen
+    from pagedllm.plugins.models.mamba.conv1d import causal_conv1d_varlen
+    from pagedllm.plugins.models.mamba.triton_kernels import triton_conv1d_varlen
 
     dt_ = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(3)
@@ -237,7 +237,7 @@ def _compile_all() -> dict[str, str]:
         from triton.compiler import ASTSource
     except ImportError as exc:
         return {"skipped": f"this triton has no offline compile API ({exc})"}
-    from pagedllm.layers import mamba_triton as mt
+    from pagedllm.plugins.models.mamba import triton_kernels as mt
 
     ints = {"slot_ptr": "*i64", "has_ptr": "*i1", "qsl_ptr": "*i32"}
 

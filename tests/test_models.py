@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 from model_utils import PagedRunner, hf_logits, load_ours, make_hf_model  # noqa: E402
 
 from pagedllm.layers.weight_utils import WeightLoadError  # noqa: E402
-from pagedllm.plugins.loaders.hf_loader import HFLoader  # noqa: E402
+from pagedllm.plugins.loaders.hf.loader import HFLoader  # noqa: E402
 
 TOL = 1e-4
 _TINY = dict(
@@ -226,7 +226,7 @@ def test_loader_sharded_checkpoint(llama_dir: tuple[Path, Any], tmp_path: Path) 
 
 
 def test_dummy_loader(llama_dir: tuple[Path, Any]) -> None:
-    from pagedllm.plugins.loaders.dummy_loader import DummyLoader
+    from pagedllm.plugins.loaders.dummy.loader import DummyLoader
 
     path = str(llama_dir[0])
     model, _ = load_ours(path)
@@ -371,7 +371,7 @@ def test_tensor_parallel_vocab_padding() -> None:
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (3, None), (None, 2.0), (3, 2.0)])
 def test_torch_backend_against_naive(window: int | None, soft_cap: float | None) -> None:
     """One decode and one chunk resuming a cached context, vs a per-token loop over the unpaged K/V."""
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
     from pagedllm.protocols.attention import AttentionLayerConfig
     from pagedllm.worker.input_prep import prepare_inputs
 

@@ -32,7 +32,7 @@ def _pyproject() -> dict:
 
 
 def _source_files(suffix: str = ".py") -> dict[str, Path]:
-    """Installed path (e.g. pagedllm/plugins/attention/torch_sdpa.py) -> source file."""
+    """Installed path (e.g. pagedllm/plugins/attention/torch_sdpa/__init__.py) -> source file."""
     out = {}
     for folder, target in MAPPED.items():
         for path in sorted((ROOT / folder).rglob(f"*{suffix}")):

@@ -28,9 +28,9 @@ from quant_packers import awq_pack, dense_model, gptq_pack, quantize_rtn, write_
 from tiny_models import hf_greedy_with, make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.plugins.quantization.awq import awq_reasons
-from pagedllm.plugins.quantization.gptq import gptq_reasons
-from pagedllm.plugins.quantization.w4a16_layout import (
+from pagedllm.plugins.quantization.w4a16.awq import awq_reasons
+from pagedllm.plugins.quantization.w4a16.gptq import gptq_reasons
+from pagedllm.plugins.quantization.w4a16.layout import (
     PackedLayout,
     dequantize,
     sort_act_order,

@@ -38,8 +38,8 @@ def _cases() -> dict[str, Any]:
     import torch
     from quant_packers import awq_pack, gptq_pack, quantize_rtn
 
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, sort_act_order
+    from pagedllm.plugins.quantization.w4a16.kernel import w4a16_gemm
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout, sort_act_order
 
     results: dict[str, Any] = {}
     for name, kind, bits, group, act_order, v1, m, dtype_name, blocks in CASES:

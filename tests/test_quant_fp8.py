@@ -26,8 +26,8 @@ import torch
 from tiny_models import hf_greedy_with, make_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.plugins.quantization.compressed_tensors import compressed_tensors_reasons
 from pagedllm.plugins.quantization.fp8 import fp8_reasons
+from pagedllm.plugins.quantization.fp8.compressed_tensors import compressed_tensors_reasons
 from pagedllm.selector import SelectionError
 
 ct = pytest.importorskip("compressed_tensors")

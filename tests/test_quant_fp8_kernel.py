@@ -47,8 +47,8 @@ def _rows(k: int) -> Any:
 def _run() -> dict[str, Any]:
     import torch
 
-    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
-    from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
+    from pagedllm.plugins.quantization.fp8.kernel import quantize_per_token
+    from pagedllm.plugins.quantization.fp8.method import quantize_activations_torch
 
     results: dict[str, Any] = {}
     for name, dtype_name, k, static, max_single in CASES:

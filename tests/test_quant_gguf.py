@@ -29,19 +29,19 @@ from test_gguf_loader import TINY, _add_tiny_tokenizer, llamacpp_permute, tiny_h
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.formats.gguf_blocks import GGUFBlocks, dequantize_blocks
 from pagedllm.layers.cpu_ops import cpu_ops
 from pagedllm.layers.fused_ops import FusedOp
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
-from pagedllm.plugins.quantization import gguf_native
-from pagedllm.plugins.quantization.gguf_blocks import GGUFBlocks, dequantize_blocks
-from pagedllm.plugins.quantization.gguf_kernels import (
+from pagedllm.plugins.quantization.gguf import native as gguf_native
+from pagedllm.plugins.quantization.gguf.kernels import (
     NATIVE_GEMM_ROWS,
     GroupInt8Kernel,
     Int4PackKernel,
     NativeKernel,
 )
-from pagedllm.plugins.quantization.gguf_method import GGUFConfig, make_kernel, requantize_int4
+from pagedllm.plugins.quantization.gguf.method import GGUFConfig, make_kernel, requantize_int4
 
 CPU = torch.device("cpu")
 
@@ -243,9 +243,9 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
 
 @pytest.mark.skipif(cpu_ops() is None, reason="no C compiler for the fused CPU ops")
 def test_cpu_decode_plan_is_bit_identical_to_the_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-token decode as pre-bound C calls (plugins/models/llama_cpu_decode.py) gives the module path's
+    """The one-token decode as pre-bound C calls (plugins/models/llama/cpu_decode.py) gives the module path's
     tokens and logprobs bit for bit, and is what a kept-quantized Llama decode runs."""
-    from pagedllm.plugins.models.llama_model import LlamaModel
+    from pagedllm.plugins.models.llama.model import LlamaModel
 
     path = tmp_path / "tiny-llama-Q4_1.gguf"
     write_uniform_gguf(path, "llama", Q.Q4_1)

@@ -68,8 +68,8 @@ def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from pagedllm.plugins.quantization.gguf_kernels import TritonKernel
-    from pagedllm.plugins.quantization.gguf_triton import gemv_blocks, gguf_dequantize, gguf_gemv
+    from pagedllm.plugins.quantization.gguf.kernels import TritonKernel
+    from pagedllm.plugins.quantization.gguf.triton_gemm import gemv_blocks, gguf_dequantize, gguf_gemv
 
     t = GGMLQuantizationType[name]
     ref_w = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, t), dtype=np.float32).reshape(n, k))
@@ -114,7 +114,7 @@ def _block_check(name: str, seed: int) -> dict[str, Any]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from pagedllm.plugins.quantization.gguf_block_gemv import gguf_block_gemv
+    from pagedllm.plugins.quantization.gguf.block_gemv import gguf_block_gemv
 
     t = GGMLQuantizationType[name]
     n, k = BLOCK_N_ROWS, BLOCK_K
@@ -200,9 +200,9 @@ def test_block_gemv_selection() -> None:
     """Pure Python: gguf_gemv hands the 32-weight types at M <= 4 to the block-wise GEMV, the rest not."""
     import torch
 
-    from pagedllm.plugins.quantization.gguf_block_gemv import BLOCK_TYPES as IDS
-    from pagedllm.plugins.quantization.gguf_block_gemv import block_reason, block_tiles
-    from pagedllm.plugins.quantization.gguf_blocks import Q
+    from pagedllm.formats.gguf_blocks import Q
+    from pagedllm.plugins.quantization.gguf.block_gemv import BLOCK_TYPES as IDS
+    from pagedllm.plugins.quantization.gguf.block_gemv import block_reason, block_tiles
 
     assert {Q(t).name for t in IDS} == set(BLOCK_TYPES)
     blocks = torch.zeros(4, 18 * 4, dtype=torch.uint8)
@@ -217,9 +217,9 @@ def test_selection_reasons() -> None:
     """Pure Python: the CUDA selector takes every covered type and names the reason for the rest."""
     import torch
 
-    from pagedllm.plugins.quantization import gguf_triton
-    from pagedllm.plugins.quantization.gguf_blocks import Q
-    from pagedllm.plugins.quantization.gguf_method import TRITON_TYPES, triton_reason
+    from pagedllm.formats.gguf_blocks import Q
+    from pagedllm.plugins.quantization.gguf import triton_gemm as gguf_triton
+    from pagedllm.plugins.quantization.gguf.method import TRITON_TYPES, triton_reason
 
     assert {int(t) for t in TRITON_TYPES} == set(gguf_triton.TRITON_TYPES)
     assert {t.name for t in TRITON_TYPES} == set(TYPES)
@@ -237,7 +237,7 @@ def test_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.quantization import gguf_triton as g\n"
+        "from pagedllm.plugins.quantization.gguf import triton_gemm as g\n"
         "def comp(fn, cons, ptrs, fusion=True):\n"
         "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
         "           for a in fn.arg_names}\n"
@@ -264,7 +264,7 @@ def test_block_gemv_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.quantization import gguf_block_gemv as g\n"
+        "from pagedllm.plugins.quantization.gguf import block_gemv as g\n"
         "fn = g._gguf_block_gemv_kernel\n"
         "for t, rows in [(t, 1) for t in g.BLOCK_TYPES] + [(2, 4), (7, 4)]:\n"
         "    bn, bb, warps, _ = g.block_tiles(4096, 4096, rows)\n"

@@ -60,9 +60,9 @@ def _run(chunk: int) -> dict[str, Any]:
     import torch
     from quant_packers import awq_pack, gptq_pack, quantize_rtn
 
-    from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M, dequant_blocks, w4a16_dequantize
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_matmul
-    from pagedllm.plugins.quantization.w4a16_layout import (
+    from pagedllm.plugins.quantization.w4a16.dequant import DEQUANT_MIN_M, dequant_blocks, w4a16_dequantize
+    from pagedllm.plugins.quantization.w4a16.kernel import w4a16_matmul
+    from pagedllm.plugins.quantization.w4a16.layout import (
         PackedLayout,
         awq_to_gptq,
         dequantize,
@@ -167,10 +167,10 @@ def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     Off CUDA the 9-16 row route (the tensor-core GEMV in slices) falls back to the GEMM."""
     import torch
 
-    from pagedllm.plugins.quantization import w4a16_kernel
-    from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M
-    from pagedllm.plugins.quantization.w4a16_gemv import GEMV_MAX_M
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+    from pagedllm.plugins.quantization.w4a16 import kernel as w4a16_kernel
+    from pagedllm.plugins.quantization.w4a16.dequant import DEQUANT_MIN_M
+    from pagedllm.plugins.quantization.w4a16.gemv import GEMV_MAX_M
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
     calls: list[str] = []
     for name in ("w4a16_gemv", "w4a16_gemm", "w4a16_dequant_matmul"):
@@ -194,7 +194,7 @@ def test_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.quantization import w4a16_dequant as d\n"
+        "from pagedllm.plugins.quantization.w4a16 import dequant as d\n"
         "fn = d._w4a16_dequant_kernel\n"
         "for bits, awq, gidx, one, bc in ((4, False, False, True, 128), (4, False, True, False, 128),\n"
         "                                 (8, False, False, True, 128), (4, True, False, True, 32)):\n"

@@ -50,8 +50,8 @@ def _run(chunk: int) -> dict[str, Any]:
     import torch
     from quant_packers import awq_pack, gptq_pack, quantize_rtn
 
-    from pagedllm.plugins.quantization.w4a16_gemv import gemv_blocks, w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, awq_to_gptq, dequantize
+    from pagedllm.plugins.quantization.w4a16.gemv import gemv_blocks, w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout, awq_to_gptq, dequantize
 
     results: dict[str, Any] = {}
     for i, (name, kind, bits, group, zeros, m, n, k, dtype_name, blocks) in enumerate(CASES):
@@ -117,8 +117,8 @@ def test_dispatch_and_blocks_for_the_8b_shapes() -> None:
     """Pure Python (no kernel runs): who takes the GEMV, and what the table gives the Llama-3.1-8B layers."""
     import torch
 
-    from pagedllm.plugins.quantization.w4a16_gemv import GEMV_MAX_M, gemv_blocks, gemv_reason
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+    from pagedllm.plugins.quantization.w4a16.gemv import GEMV_MAX_M, gemv_blocks, gemv_reason
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
     lay = PackedLayout("gptq", 4, 128, 1)
     assert gemv_reason(lay, 1, None) is None and gemv_reason(lay, GEMV_MAX_M, None) is None

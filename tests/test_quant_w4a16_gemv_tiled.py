@@ -51,9 +51,9 @@ def _run(chunk: int) -> dict[str, Any]:
     from quant_packers import awq_pack, gptq_pack, quantize_rtn
 
     from pagedllm.layers import split_k
-    from pagedllm.plugins.quantization import w4a16_gemv_tiled as tiled
-    from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, awq_to_gptq, dequantize
+    from pagedllm.plugins.quantization.w4a16 import gemv_tiled as tiled
+    from pagedllm.plugins.quantization.w4a16.gemv import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout, awq_to_gptq, dequantize
 
     results: dict[str, Any] = {}
     for i, (name, variant, kind, bits, zeros, m, n, k, dtype_name, blocks) in enumerate(CASES):
@@ -121,7 +121,7 @@ def test_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.quantization import w4a16_gemv_tiled as t\n"
+        "from pagedllm.plugins.quantization.w4a16 import gemv_tiled as t\n"
         "fn = t._w4a16_gemv_tiled_kernel\n"
         "ptrs = {'x_ptr': '*bf16', 's_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32'}\n"
         "for v, (pf, mant) in t.TILED_VARIANTS.items():\n"

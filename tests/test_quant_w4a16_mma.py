@@ -1,4 +1,4 @@
-"""The tensor-core W4A16 GEMV (plugins/quantization/w4a16_mma.py): what the CPU can check.
+"""The tensor-core W4A16 GEMV (plugins/quantization/w4a16/mma.py): what the CPU can check.
 
 The kernel itself runs only on a GPU (examples/gpu/w4_mma_check.py checks it against the dequantized weights on
 the H200). Here: its CUDA source compiles with NVRTC for sm_80 and sm_90a in every variant the host can ask
@@ -17,8 +17,8 @@ import subprocess
 import pytest
 import torch
 
-from pagedllm.plugins.quantization import w4a16_mma as mma
-from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+from pagedllm.plugins.quantization.w4a16 import mma as mma
+from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
 GPTQ = PackedLayout("gptq", 4, 128, 1)
 
@@ -110,7 +110,7 @@ def test_blocks_follow_the_sweep_and_the_rule(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_decode_gemv_defaults_to_mma_and_refuses_unknown_variants(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.plugins.quantization import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16 import gemv as w4a16_gemv
 
     assert w4a16_gemv.gemv_variant() == "mma"
     monkeypatch.setenv("PAGEDLLM_W4A16_GEMV", "nope")
@@ -122,7 +122,7 @@ def test_gate_up_hook_reaches_the_method_and_declines_cleanly() -> None:
     from torch import nn
 
     from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul, fused_gate_up_act
-    from pagedllm.plugins.quantization.w4a16_method import PackedIntLinearMethod
+    from pagedllm.plugins.quantization.w4a16.method import PackedIntLinearMethod
 
     calls: list[str] = []
 

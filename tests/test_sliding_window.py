@@ -18,7 +18,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.spec import SlidingWindowSpec
-from pagedllm.plugins.kvmanagers.sliding_window_manager import SlidingWindowManager
+from pagedllm.plugins.kvmanagers.sliding_window.manager import SlidingWindowManager
 
 WINDOW, BLOCK = 8, 4
 VOCAB = 384
@@ -269,8 +269,8 @@ def test_prefix_hits_longer_than_window(model_dir: str, hf_ref: Any) -> None:
 def test_qwen2_specs_follow_each_layers_window(max_window_layers: int) -> None:
     """All layers windowed -> one SlidingWindowSpec group; the bottom max_window_layers stay full."""
     from pagedllm.kv_cache.spec import FullAttentionSpec
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.models.qwen2_model import Qwen2ForCausalLM
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.models.llama.qwen2 import Qwen2ForCausalLM
     from pagedllm.protocols.model import ModelBuildContext
 
     cfg = _qwen2_config(num_layers=3, max_window_layers=max_window_layers)

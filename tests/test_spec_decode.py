@@ -15,7 +15,7 @@ from tiny_models import make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ConfigError, EngineConfig
-from pagedllm.plugins.proposers.ngram_proposer import ngram_lookup
+from pagedllm.plugins.proposers.ngram.proposer import ngram_lookup
 from pagedllm.selector import SelectionError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -159,7 +159,7 @@ def test_gguf_blocks_split_only_on_block_boundaries() -> None:
     import gguf
     import numpy as np
 
-    from pagedllm.plugins.quantization.gguf_blocks import GGUFBlocks, Q
+    from pagedllm.formats.gguf_blocks import GGUFBlocks, Q
 
     w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
     blocks = GGUFBlocks(torch.from_numpy(gguf.quants.quantize(w, Q.Q8_0)), Q.Q8_0, (4, 64))
@@ -409,7 +409,7 @@ def test_every_rank_releases_cuda_graphs_before_leaving_the_group(monkeypatch: p
     """NCCL waits for every graph holding its collectives before a communicator goes (cuda_graphs.py NOTE 5):
     rank 0's executor and the remote ranks' worker release the runner's graphs first."""
     from pagedllm.executor import tp_worker
-    from pagedllm.plugins.executors import multiproc_executor
+    from pagedllm.plugins.executors.multiproc import executor as multiproc_executor
     from pagedllm.protocols.executor import ExecutorContext
 
     log: list[str] = []

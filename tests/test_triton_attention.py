@@ -179,9 +179,9 @@ def _run_both(
     """Both backends on one random batch; `prefill` overrides fields of triton_tuning.PREFILL for the call."""
     from dataclasses import replace
 
-    from pagedllm.plugins.attention import triton_tuning
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton import tuning as triton_tuning
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -223,7 +223,7 @@ def test_check_only_with_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_split_policy() -> None:
-    from pagedllm.plugins.attention.triton_backend import choose_segments
+    from pagedllm.plugins.attention.triton.backend import choose_segments
 
     # Split only below 2 programs per SM (triton_backend NOTE 2): 64 x 8 = 512 programs fill 132 SMs unsplit.
     assert choose_segments(64, 8, 132) == 1
@@ -235,7 +235,7 @@ def test_split_policy() -> None:
 
 def test_config_rule() -> None:
     """Launch configurations by new tokens per request (triton_tuning's table)."""
-    from pagedllm.plugins.attention.triton_tuning import (
+    from pagedllm.plugins.attention.triton.tuning import (
         DECODE,
         DECODE_BIG,
         DECODE_WIDE,
@@ -259,8 +259,8 @@ def test_decode_config_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     (0: never; negative: refused by the options model); `decode_heads_first: false` gives the decode entries
     the default launch order and leaves every other field as the table has it."""
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.triton_backend import _decode_config
-    from pagedllm.plugins.attention.triton_tuning import DECODE, DECODE_BIG, DECODE_WIDE, MIXED
+    from pagedllm.plugins.attention.triton.backend import _decode_config
+    from pagedllm.plugins.attention.triton.tuning import DECODE, DECODE_BIG, DECODE_WIDE, MIXED
 
     monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=0))
     assert _decode_config(512, 512, 1) is DECODE_WIDE
@@ -282,7 +282,7 @@ def test_split_decodes_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """`plugins.triton.split_decodes_min` splits a step with prompt tokens and that many decodes (NOTE 5); never a
     decode-only step, never below the threshold, never when 0 (the default). The rebased offsets start at 0."""
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     gen = torch.Generator().manual_seed(0)
     mixed, _ = _batch([5, 8, 12, 0], [1, 1, 1, 7], 4, 16, gen)
@@ -298,7 +298,7 @@ def test_split_decodes_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _padding_case() -> dict[str, bool]:
-    from pagedllm.plugins.attention.triton_kernels import reshape_and_cache
+    from pagedllm.api.kernels import reshape_and_cache
 
     cache = torch.randn(2, 3, 4, 1, 16)
     before = cache.clone()
@@ -317,8 +317,8 @@ def _cascade_case() -> dict[str, dict[str, float]]:
     """Decode batches where some requests share their first 5 blocks (80 tokens, page 16)."""
     from dataclasses import replace
 
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     heads, kv_heads, head, bs = 4, 2, 16, 16
     layer = AttentionLayerConfig(heads, head, kv_heads, head**-0.5)
@@ -399,9 +399,9 @@ def _decode_wide_case(heads_first: bool = False, segments: int = 1) -> dict[str,
     past a tile, page 16, GQA 4:1, float32 (the interpreter otherwise runs its own 16-key tile)."""
     from dataclasses import replace
 
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
-    from pagedllm.plugins.attention.triton_tuning import DECODE_WIDE
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
+    from pagedllm.plugins.attention.triton.tuning import DECODE_WIDE
 
     gen = torch.Generator().manual_seed(3)
     contexts, heads, kv_heads, head, page = [0, 14, 62, 63, 64, 129], 8, 2, 32, 16
@@ -422,9 +422,9 @@ def _decode_big_case() -> dict[str, dict[str, float]]:
     """DECODE_BIG on decodes ending inside, at and past a 128-key tile; then a cascade batch (page 16, GQA 2:1)
     whose first 13 blocks (208 keys) are shared, told 208 (aligned to 128; CASCADE_ALIGN's 192 would split a
     128-key suffix tile and count keys 128-191 twice) or 100 (under 128: no cascade)."""
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
-    from pagedllm.plugins.attention.triton_tuning import DECODE_BIG
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
+    from pagedllm.plugins.attention.triton.tuning import DECODE_BIG
 
     results: dict[str, dict[str, float]] = {}
     gen = torch.Generator().manual_seed(5)
@@ -486,7 +486,7 @@ def _main() -> None:
     results["decode_wide_heads_first_split"] = _decode_wide_case(heads_first=True, segments=3)
     results["decode_big"] = _decode_big_case()
     results["cascade"] = _cascade_case()
-    from pagedllm.plugins.attention import triton_kernels
+    from pagedllm.plugins.attention.triton import kernels as triton_kernels
 
     triton_kernels.MERGE_HEADS_MIN_ROWS = 0  # the large-batch merge (several heads per program) on small batches
     results["cascade_merge_heads"] = _cascade_case()
@@ -505,7 +505,7 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.attention import triton_kernels as t\n"
+        "from pagedllm.plugins.attention.triton import kernels as t\n"
         "floats = {'scale', 'soft_cap', 'v_scale'}\n"
         "def sig_of(fn, cons, bf16):\n"
         "    def one(a):\n"
@@ -532,12 +532,12 @@ def test_cascade_kernels_compile_for_sm90() -> None:
         "                                          HEADS=8 if casc else 1),\n"
         "          {'out_ptr'})\n"
         "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
-        "from pagedllm.plugins.attention.triton_tuning import PREFILL as P\n"
+        "from pagedllm.plugins.attention.triton.tuning import PREFILL as P\n"
         "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=P.rows // 4, BLOCK_M=P.rows, TILE_N=P.tile_n,\n"
         "          USE_WINDOW=False, SPLIT=False, CASCADE=False, REVERSE=P.reverse, PACK_GQA=P.pack_gqa,\n"
         "          K_ROWS=P.k_rows), {'q_ptr', 'cache_ptr', 'out_ptr'}, P.num_warps, P.num_stages)\n"
         "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
-        "from pagedllm.plugins.attention.triton_tuning import DECODE_BIG as B\n"
+        "from pagedllm.plugins.attention.triton.tuning import DECODE_BIG as B\n"
         "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=B.rows // 4, BLOCK_M=B.rows, TILE_N=B.tile_n,\n"
         "          USE_WINDOW=False, SPLIT=False, CASCADE=True, REVERSE=False, PACK_GQA=True, K_ROWS=False, ALIGN=128),\n"
         "          {'q_ptr', 'cache_ptr', 'out_ptr'}, B.num_warps, B.num_stages)\n"

@@ -1,4 +1,4 @@
-"""The fresh-prefill kernel (plugins/attention/triton_prefill.py) and the triton backend's route to it.
+"""The fresh-prefill kernel (plugins/attention/triton/prefill.py) and the triton backend's route to it.
 
 Kernel cases run under Triton's interpreter in one child process (this file as a script; see
 test_triton_attention.py for why the interpreter needs its own process) and are compared with torch's
@@ -90,7 +90,7 @@ def _common(contexts: list[int], queries: list[int], block_size: int = 16) -> An
     ([0, 0, 0], [16, 16, 16], None),  # a uniform step like a CUDA-graph capture's dummy: never routed
 ])
 def test_fresh_run_start(contexts: list[int], queries: list[int], start: int | None) -> None:
-    from pagedllm.plugins.attention.triton_backend import fresh_run_start
+    from pagedllm.plugins.attention.triton.backend import fresh_run_start
 
     assert fresh_run_start(_common(contexts, queries)) == start
 
@@ -99,7 +99,7 @@ def test_fresh_route_default_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend routes only runs whose longest request has `fresh_prefill_min_tokens` new tokens (1024 by
     default: W1's 1024-token prompts gained on the H200, perf-notes §18a); the option cannot go below 64."""
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
     assert plugin.options.fresh_prefill_min_tokens == 1024
@@ -116,8 +116,8 @@ def test_fresh_route_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     unified kernel."""
     from pagedllm.config import EngineConfig, validate_plugin_sections
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
-    from pagedllm.plugins.attention.triton_tuning import FRESH_MIN_QUERY_LEN
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
+    from pagedllm.plugins.attention.triton.tuning import FRESH_MIN_QUERY_LEN
 
     assert TritonBackend.cuda_graph_max_query_len < FRESH_MIN_QUERY_LEN
     monkeypatch.setattr(plugin, "options", plugin.options)  # restored after the test
@@ -132,7 +132,7 @@ def test_fresh_route_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plan_blocks_longest_first() -> None:
     import numpy as np
 
-    from pagedllm.plugins.attention.triton_prefill import plan_blocks
+    from pagedllm.plugins.attention.triton.prefill import plan_blocks
 
     plan = plan_blocks(np.array([9, 49, 56], dtype=np.int32), 16)  # requests of 40 and 7 rows from row 9
     rows = sorted(map(tuple, plan.tolist()))
@@ -149,8 +149,8 @@ def test_fresh_kernel_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.attention import triton_prefill as tp\n"
-        "from pagedllm.plugins.attention.triton_tuning import FRESH_PREFILL, FreshPrefillConfig\n"
+        "from pagedllm.plugins.attention.triton import prefill as tp\n"
+        "from pagedllm.plugins.attention.triton.tuning import FRESH_PREFILL, FreshPrefillConfig\n"
         "fn = tp._fresh_prefill_kernel\n"
         "def build(cfg, head=128):\n"
         "    block_m, block_q, tile, pack = tp.launch_shape(cfg, 4)\n"
@@ -223,9 +223,9 @@ def _kernel_case(lens: list[int], heads: int = 4, kv_heads: int = 2, head: int =
 
     import numpy as np
 
-    from pagedllm.plugins.attention.triton_prefill import fresh_prefill_attention, launch_shape
-    from pagedllm.plugins.attention.triton_prefill import plan_blocks as plan_of
-    from pagedllm.plugins.attention.triton_tuning import FreshPrefillConfig
+    from pagedllm.plugins.attention.triton.prefill import fresh_prefill_attention, launch_shape
+    from pagedllm.plugins.attention.triton.prefill import plan_blocks as plan_of
+    from pagedllm.plugins.attention.triton.tuning import FreshPrefillConfig
 
     gen = torch.Generator().manual_seed(len(lens) * 7 + head)
     dt = getattr(torch, dtype)
@@ -251,8 +251,8 @@ def _kernel_case(lens: list[int], heads: int = 4, kv_heads: int = 2, head: int =
 def _backend_case() -> dict[str, Any]:
     """One step: 2 decodes, a later chunk (12 cached), then 2 fresh prompts (70 and 21 tokens)."""
     from pagedllm.plugins.attention import triton as plugin
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
 
     contexts, queries = [30, 17, 12, 0, 0], [1, 1, 25, 70, 21]
     heads, kv_heads, head, bs = 4, 2, 16, 16
@@ -289,7 +289,7 @@ def _engine_case() -> dict[str, Any]:
     from pathlib import Path
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.plugins.attention import triton_backend
+    from pagedllm.plugins.attention.triton import backend as triton_backend
 
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_models import make_tiny_model

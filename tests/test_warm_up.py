@@ -123,7 +123,8 @@ def _main() -> None:
     import json
     import tempfile
 
-    from pagedllm.plugins.attention import triton_backend, triton_tuning
+    from pagedllm.plugins.attention.triton import backend as triton_backend
+    from pagedllm.plugins.attention.triton import triton_tuning
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)

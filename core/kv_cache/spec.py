@@ -75,7 +75,7 @@ class MambaSpec(KVCacheSpec):
     One block holds one request's whole state for this layer (conv state + SSM state), so a request holds
     exactly one real block per Mamba group. `block_size` is only the token granularity of the block table:
     the manager pads a request's list with the null block so the table stays index-aligned with positions
-    (see plugins/kvmanagers/mamba_manager.py); padding costs no memory.
+    (see plugins/kvmanagers/mamba/manager.py); padding costs no memory.
     """
 
     conv_state_shape: tuple[int, ...]  # (conv channels, conv kernel - 1)

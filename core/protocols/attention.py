@@ -96,6 +96,25 @@ class AttentionImpl(Protocol):
         ...
 
 
+class CpuDecodeAttentionImpl(Protocol):
+    """Optional members of an impl whose one-token CPU decode runs the engine's C decode attention
+    (pagedllm.layers.cpu_ops, switched on by the engine for kept-quantized models on the CPU).
+
+    A model may then run a decode step as a flat list of C calls (the llama plugin's CPU decode plan) and ask
+    the impl only these questions, never its internals; an impl without them is simply never taken that way.
+    """
+
+    def c_decode_params(self, ops: Any) -> tuple[float, int, float] | None:
+        """(scale, sliding window or 0, soft cap or 0) when this layer's decode runs `ops`' C kernel, else None."""
+        ...
+
+    def c_decode_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> CommonAttentionMetadata | None:
+        """The step's common metadata when this step's attention is the C decode kernel, None otherwise."""
+        ...
+
+
 class AttentionBackend(Protocol):
     name: ClassVar[str]
 

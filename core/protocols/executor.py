@@ -2,8 +2,8 @@
 
 The engine core process is rank 0: it builds the scheduler and its own shard of the model like a
 single-process engine, and the executor runs ranks 1..N-1 elsewhere (local processes, Ray actors). Per step
-the executor sends the SchedulerOutput to every remote rank, runs rank 0's ModelRunner, and returns rank 0's
-ModelRunnerOutput; the ranks meet inside the model's collectives.
+the executor sends the SchedulerOutput to every remote rank, runs rank 0's model runner (ModelRunnerProtocol),
+and returns rank 0's ModelRunnerOutput; the ranks meet inside the model's collectives.
 
 Lifecycle, driven by the builder:
 
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
-    from pagedllm.worker.model_runner import ModelRunner
 
 
 class WorkerDiedError(RuntimeError):
@@ -45,12 +44,28 @@ class ExecutorContext:
         return self.config.parallel.tensor_parallel_size
 
 
+class ModelRunnerProtocol(Protocol):
+    """What an executor calls on a rank's model runner (pagedllm.worker.model_runner.ModelRunner is one)."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step synchronously: forward, sample, and return its output."""
+        ...
+
+    def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch one step and return the output of the step launched before (None if none)."""
+        ...
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy the captured CUDA graphs (before the rank leaves its tensor-parallel group)."""
+        ...
+
+
 class Executor(Protocol):
     def start(self) -> None:
         """Launch the remote ranks and join the tensor-parallel group as rank 0 (before the model is built)."""
         ...
 
-    def bind(self, runner: ModelRunner) -> None:
+    def bind(self, runner: ModelRunnerProtocol) -> None:
         """Take rank 0's runner and wait until every remote rank is ready; raise with a rank's build error."""
         ...
 

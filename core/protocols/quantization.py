@@ -10,6 +10,7 @@ gated MLPs ask through pagedllm.layers.activation.fused_gate_up_act before runni
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -32,6 +33,20 @@ class QuantizationMethod(Protocol):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack or transpose once, after every weight of the layer is loaded."""
+        ...
+
+
+class RowMatmulMethod(Protocol):
+    """An optional member of a method whose one-row product can run with its pointers bound once.
+
+    A model's per-step plan (the llama plugin's CPU decode) calls the bound function every step on the same
+    buffers instead of `apply`; a method without it, or returning None for a layer, keeps `apply`.
+    """
+
+    def bind_row_matmul(
+        self, layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor
+    ) -> Callable[[int], None] | None:
+        """A call (taking a thread count) that writes layer(x) for the one row x [1, K] into out [1, N]."""
         ...
 
 

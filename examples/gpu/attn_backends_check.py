@@ -155,7 +155,7 @@ def attend(backend: Any, b: dict[str, Any], cache: torch.Tensor, window: int | N
 def flash_attn_report() -> dict[str, Any]:
     """Which FlashAttention library the flash_attn backend runs here, and the fa4 kernel compiles so far."""
     try:
-        from pagedllm.plugins.attention import flash_attn_backend as fab
+        from pagedllm.plugins.attention.flash_attn import backend as fab
     except ImportError as exc:
         return {"error": str(exc)}
     labels = {v.name: v.label() for v in fab.registration.installed_variants()}

@@ -137,7 +137,7 @@ def main() -> int:
 
     from pagedllm import LLM
     from pagedllm.config import EngineConfig
-    from pagedllm.plugins.proposers.ngram_proposer import NgramProposer
+    from pagedllm.plugins.proposers.ngram.proposer import NgramProposer
     from pagedllm.spec_decode.proposer import ProposerContext
     from pagedllm.spec_decode.speculator import Speculator
 

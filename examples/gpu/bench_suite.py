@@ -297,8 +297,8 @@ def w4a16_routes(quantization: str) -> dict[str, str] | None:
     qc = checkpoint_quantization(quantization)
     if not qc or qc["quant_method"] not in ("gptq", "awq"):
         return None
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_route
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout
+    from pagedllm.plugins.quantization.w4a16.kernel import w4a16_route
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
     layout = PackedLayout("gptq", 4, int(qc["group_size"]))  # AWQ runs repacked into the GPTQ order
     return {str(m): w4a16_route(layout, m) for m in (1, 2, 4, 8, 16, 64, 96, 128, 512, 16384)}

@@ -62,9 +62,9 @@ MIXED_GRID = [(1, r, t, w, st, True) for r in (32, 64, 128) for t in (32, 64) fo
 def sweep_shape(ctx: list[int], queries: list[int], gen: torch.Generator, quick: bool = False,
                 orders: tuple[bool, ...] = (False,)) -> dict[str, Any]:
     """The default and every grid point on one step's batch (TB/s of K/V read for decode-only batches)."""
-    from pagedllm.plugins.attention.triton_backend import choose_segments
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
-    from pagedllm.plugins.attention.triton_tuning import AttentionConfig, choose_config
+    from pagedllm.plugins.attention.triton.backend import choose_segments
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
+    from pagedllm.plugins.attention.triton.tuning import AttentionConfig, choose_config
 
     h, kvh, d, n, tokens = 32, 8, 128, len(ctx), sum(queries)
     decode_only = tokens == n

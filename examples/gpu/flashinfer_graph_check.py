@@ -81,9 +81,9 @@ def first_diff(a: list[int], b: list[int]) -> int:
 
 # ------------------------------------------------------------------------------ k: attention-level graphs
 def stage_kernel() -> None:
-    from pagedllm.plugins.attention.flashinfer_backend import FlashInferBackend
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.flashinfer.backend import FlashInferBackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
     from pagedllm.protocols.attention import AttentionLayerConfig
     from pagedllm.worker.cuda_graphs import DecodeGraphs, StepBuffers
     from pagedllm.worker.input_prep import plan_inputs, prepare_inputs

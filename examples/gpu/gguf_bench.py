@@ -1,4 +1,4 @@
-"""GGUF kept quantized on CUDA (plugins/quantization/gguf_triton.py) against bf16: per matrix and in the engine.
+"""GGUF kept quantized on CUDA (plugins/quantization/gguf/triton_gemm.py) against bf16: per matrix and in the engine.
 
     python examples/gpu/gguf_bench.py --out $OUT/gguf.json                  # H200, < 4 minutes
     python examples/gpu/gguf_bench.py --stages block --out $OUT/gguf_block.json   # H200, stage 4 alone, < 150 s
@@ -80,7 +80,7 @@ def exactness(device: str) -> dict[str, Any]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from pagedllm.plugins.quantization.gguf_triton import gguf_dequantize
+    from pagedllm.plugins.quantization.gguf.triton_gemm import gguf_dequantize
 
     out = {}
     for i, name in enumerate(SCALE_FIELDS):
@@ -96,7 +96,7 @@ def matrices(args: argparse.Namespace, timer: Timer, device: str, dtype: torch.d
     """Stage 2: µs per call, GGUF kernels vs bf16, per shape, type and M."""
     from gguf import GGMLQuantizationType
 
-    from pagedllm.plugins.quantization.gguf_triton import gguf_dequantize, gguf_matmul
+    from pagedllm.plugins.quantization.gguf.triton_gemm import gguf_dequantize, gguf_matmul
 
     plan: list[tuple[str, dict[str, tuple[int, int]], list[str], tuple[int, ...]]]
     if args.dry_run:
@@ -139,8 +139,8 @@ def block_gemv(args: argparse.Namespace, timer: Timer, device: str, dtype: torch
     """Stage 4: µs per call, block-wise vs element-wise GEMV vs bf16, the 8B shapes (module doc)."""
     from gguf import GGMLQuantizationType
 
-    from pagedllm.plugins.quantization.gguf_block_gemv import block_tiles, gguf_block_gemv
-    from pagedllm.plugins.quantization.gguf_triton import gemv_blocks, gguf_dequantize, gguf_gemv
+    from pagedllm.plugins.quantization.gguf.block_gemv import block_tiles, gguf_block_gemv
+    from pagedllm.plugins.quantization.gguf.triton_gemm import gemv_blocks, gguf_dequantize, gguf_gemv
 
     ms: tuple[int, ...]
     if args.dry_run:

@@ -115,8 +115,8 @@ def paged_batch(contexts: list[int], queries: list[int], heads: int, kv_heads: i
 
 
 def stage_kernels(gen: torch.Generator) -> None:
-    from pagedllm.plugins.attention.torch_sdpa_backend import TorchSDPABackend
-    from pagedllm.plugins.attention.triton_backend import TritonBackend
+    from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+    from pagedllm.plugins.attention.triton.backend import TritonBackend
     from pagedllm.protocols.attention import AttentionLayerConfig
 
     cases: dict[str, tuple[list[int], list[int], dict[str, Any]]] = {
@@ -164,8 +164,8 @@ def sweep(fn: Any, args: tuple[Any, ...], variants: list[dict[str, Any]], work: 
 
 
 def stage_timing(gen: torch.Generator, quick: bool) -> None:
-    from pagedllm.plugins.attention.triton_backend import choose_segments
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton.backend import choose_segments
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b = paged_batch([2047] * 64, [1] * 64, 32, 8, 128, 16, torch.bfloat16, gen, spare=0)
@@ -213,8 +213,8 @@ def stage_split_policy(gen: torch.Generator, sms: int, quick: bool) -> None:
     """
     from fused_ops_bench import graph_us
 
-    from pagedllm.plugins.attention.triton_backend import choose_segments
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton.backend import choose_segments
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
 
     shapes = [(1, 2048), (4, 2048), (8, 2048), (16, 2048), (32, 2048), (48, 2048), (64, 2048), (128, 2048),
               (1, 32768), (4, 32768), (16, 32768)]

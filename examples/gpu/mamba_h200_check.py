@@ -67,9 +67,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def stage_kernels() -> dict[str, Any]:
-    from pagedllm.layers.mamba_conv1d import causal_conv1d_update
-    from pagedllm.layers.mamba_selective_scan import selective_state_update
-    from pagedllm.layers.mamba_triton import triton_conv1d_update, triton_selective_state_update
+    from pagedllm.plugins.models.mamba.conv1d import causal_conv1d_update
+    from pagedllm.plugins.models.mamba.selective_scan import selective_state_update
+    from pagedllm.plugins.models.mamba.triton_kernels import (
+        triton_conv1d_update,
+        triton_selective_state_update,
+    )
 
     out: dict[str, Any] = {}
     dev = "cuda"
@@ -135,10 +138,10 @@ def stage_kernels() -> dict[str, Any]:
 
 def _prefill_kernels(rnd: Any) -> dict[str, Any]:
     """The Triton prefill kernels vs the torch references, 4 requests (one continuing a stored state)."""
-    from pagedllm.layers.mamba_conv1d import causal_conv1d_varlen
-    from pagedllm.layers.mamba_selective_scan import selective_scan_varlen
-    from pagedllm.layers.mamba_ssd import ssd_chunk_scan_varlen
-    from pagedllm.layers.mamba_triton import triton_conv1d_varlen, triton_scan_varlen
+    from pagedllm.plugins.models.mamba.conv1d import causal_conv1d_varlen
+    from pagedllm.plugins.models.mamba.selective_scan import selective_scan_varlen
+    from pagedllm.plugins.models.mamba.ssd import ssd_chunk_scan_varlen
+    from pagedllm.plugins.models.mamba.triton_kernels import triton_conv1d_varlen, triton_scan_varlen
 
     dev, out = "cuda", {}
     lens = [512, 7, 300, 128]

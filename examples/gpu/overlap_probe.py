@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=250)
     args = ap.parse_args()
 
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
 
     gen = torch.Generator().manual_seed(0)
     n = args.requests

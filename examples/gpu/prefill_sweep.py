@@ -87,7 +87,7 @@ def dry_shape() -> Shape:
 def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
     """Configs in the order they run: the tables' entries and the v1 best first (a budget cut drops the tail),
     then the fresh-prefill grid, then (--unified-grid) the unified kernel's full grid."""
-    from pagedllm.plugins.attention import triton_tuning as tt
+    from pagedllm.plugins.attention.triton import tuning as tt
 
     v1_best = v1_best_config()
     fresh = tt.FreshPrefillConfig
@@ -126,7 +126,7 @@ def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
 
 def unified_full_grid() -> list[Any]:
     """The unified kernel's grid of the 2026-11-29 sweep (triton_tuning NOTE 4)."""
-    from pagedllm.plugins.attention import triton_tuning as tt
+    from pagedllm.plugins.attention.triton import tuning as tt
 
     cfg = tt.AttentionConfig
     v1_best = v1_best_config()
@@ -152,7 +152,7 @@ def unified_full_grid() -> list[Any]:
 
 
 def is_fresh(config: Any) -> bool:
-    from pagedllm.plugins.attention.triton_tuning import FreshPrefillConfig
+    from pagedllm.plugins.attention.triton.tuning import FreshPrefillConfig
 
     return isinstance(config, FreshPrefillConfig)
 
@@ -164,7 +164,7 @@ def applies(config: Any, case: dict[str, Any]) -> bool:
 
 def v1_best_config() -> Any:
     """The best of the v1 sweep (docs/perf-notes.md 1b: 319 TFLOP/s on 8x2048), without the new switches."""
-    from pagedllm.plugins.attention.triton_tuning import AttentionConfig
+    from pagedllm.plugins.attention.triton.tuning import AttentionConfig
 
     return AttentionConfig(rows=64, tile_n=64, num_warps=4, num_stages=2)
 
@@ -240,11 +240,11 @@ def reference(shape: Shape, case: dict[str, Any]) -> torch.Tensor:
 
 
 def call(shape: Shape, case: dict[str, Any], config: Any) -> None:
-    from pagedllm.plugins.attention.triton_kernels import unified_attention
+    from pagedllm.plugins.attention.triton.kernels import unified_attention
 
     c = case["common"]
     if is_fresh(config):
-        from pagedllm.plugins.attention.triton_prefill import (
+        from pagedllm.plugins.attention.triton.prefill import (
             fresh_prefill_attention,
             launch_shape,
             plan_blocks,
@@ -305,7 +305,7 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
     fresh route as build_metadata decides (`route` "rule"), switched off ("off"), taken by any fresh run
     ("any": as with plugins.triton.fresh_prefill_min_tokens at its floor), or the decodes split into their own
     launch ("split", plugins.triton.split_decodes_min); checked, then timed."""
-    from pagedllm.plugins.attention.triton_backend import TritonBackend, fresh_run_start
+    from pagedllm.plugins.attention.triton.backend import TritonBackend, fresh_run_start
     from pagedllm.protocols.attention import AttentionLayerConfig
 
     layer = AttentionLayerConfig(shape.heads, shape.head, shape.kv_heads, shape.head**-0.5)
@@ -355,7 +355,7 @@ def main() -> None:
                                "torch": torch.__version__, "configs": [asdict(c) for c in configs], "cases": {}}
     import triton
 
-    from pagedllm.plugins.attention import triton_tuning as tt
+    from pagedllm.plugins.attention.triton import tuning as tt
 
     results["triton"] = triton.__version__
     results["table"] = {"PREFILL": asdict(tt.PREFILL), "MIXED": asdict(tt.MIXED), "DECODE": asdict(tt.DECODE),

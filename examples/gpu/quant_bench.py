@@ -73,7 +73,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def make_packed(ctx: Ctx, kind: str, n: int, k: int) -> dict[str, Any]:
     """Random 4-bit codes in the checkpoint's packing, then what the method keeps after loading."""
-    from pagedllm.plugins.quantization.w4a16_layout import (
+    from pagedllm.plugins.quantization.w4a16.layout import (
         AWQ_ORDER,
         PackedLayout,
         awq_to_gptq,
@@ -99,9 +99,9 @@ def make_packed(ctx: Ctx, kind: str, n: int, k: int) -> dict[str, Any]:
 
 
 def w4_call(p: dict[str, Any], x: torch.Tensor, kernel: str = "dispatch", blocks: Any = None) -> torch.Tensor:
-    from pagedllm.plugins.quantization.w4a16_dequant import w4a16_dequant_matmul, w4a16_dequantize
-    from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm, w4a16_matmul
+    from pagedllm.plugins.quantization.w4a16.dequant import w4a16_dequant_matmul, w4a16_dequantize
+    from pagedllm.plugins.quantization.w4a16.gemv import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16.kernel import w4a16_gemm, w4a16_matmul
 
     args = (x, p["layout"], p["qweight"], p["qzeros"], p["scales"])
     if kernel == "gemm":
@@ -119,7 +119,7 @@ def w4_call(p: dict[str, Any], x: torch.Tensor, kernel: str = "dispatch", blocks
 
 def make_fp8(ctx: Ctx, n: int, k: int) -> dict[str, Any]:
     """bf16 weights quantized per output row (the on-the-fly method); float32 reference weights."""
-    from pagedllm.plugins.quantization.fp8_method import quantize_rows
+    from pagedllm.plugins.quantization.fp8.method import quantize_rows
 
     w = (torch.randn(n, k, device=ctx.device) * 0.02).to(ctx.dtype)
     w_q, row_scale = quantize_rows(w)
@@ -128,8 +128,8 @@ def make_fp8(ctx: Ctx, n: int, k: int) -> dict[str, Any]:
 
 def fp8_call(ctx: Ctx, p: dict[str, Any], x: torch.Tensor, quant: str = "fused") -> torch.Tensor:
     """fp8_method's W8A8 apply: quantize x per token, then _scaled_mm (emulated in float32 on a dry run)."""
-    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
-    from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
+    from pagedllm.plugins.quantization.fp8.kernel import quantize_per_token
+    from pagedllm.plugins.quantization.fp8.method import quantize_activations_torch
 
     x_q, a = quantize_per_token(x) if quant == "fused" else quantize_activations_torch(x)
     if ctx.dry_run:
@@ -141,11 +141,11 @@ def fp8_call(ctx: Ctx, p: dict[str, Any], x: torch.Tensor, quant: str = "fused")
 # ---- stages ----------------------------------------------------------------------------------------------
 
 def agreement(ctx: Ctx, results: dict[str, Any]) -> None:
-    from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
-    from pagedllm.plugins.quantization.fp8_method import quantize_activations_torch
-    from pagedllm.plugins.quantization.w4a16_dequant import DEQUANT_MIN_M
-    from pagedllm.plugins.quantization.w4a16_gemv import gemv_reason
-    from pagedllm.plugins.quantization.w4a16_layout import dequantize
+    from pagedllm.plugins.quantization.fp8.kernel import quantize_per_token
+    from pagedllm.plugins.quantization.fp8.method import quantize_activations_torch
+    from pagedllm.plugins.quantization.w4a16.dequant import DEQUANT_MIN_M
+    from pagedllm.plugins.quantization.w4a16.gemv import gemv_reason
+    from pagedllm.plugins.quantization.w4a16.layout import dequantize
 
     out = results.setdefault("agreement", {})
     n, k = ctx.shapes["o"]
@@ -175,7 +175,7 @@ def agreement(ctx: Ctx, results: dict[str, Any]) -> None:
 
 def tuning(ctx: Ctx, results: dict[str, Any]) -> None:
     """The GEMV at M = 1 over a small grid of (BLOCK_N, BLOCK_K, warps, SPLIT_K), per shape."""
-    from pagedllm.plugins.quantization.w4a16_gemv import gemv_blocks
+    from pagedllm.plugins.quantization.w4a16.gemv import gemv_blocks
 
     out = results.setdefault("tuning_gemv_m1", {})
     tiles = [(128, 1), (256, 1), (256, 2), (512, 2), (512, 4)]
@@ -245,7 +245,7 @@ def speed(ctx: Ctx, results: dict[str, Any]) -> None:
                 for quant in ("fused", "torch"):
                     call = functools.partial(fp8_call, ctx, p8, x, quant)
                     add(f"fp8_{quant}_quant", ctx.time_us(call), rel_err(call(), ref))
-                from pagedllm.plugins.quantization.fp8_kernel import quantize_per_token
+                from pagedllm.plugins.quantization.fp8.kernel import quantize_per_token
 
                 add("fp8_quant_kernel_alone", ctx.time_us(lambda x=x: quantize_per_token(x)))
                 del p8

@@ -3,7 +3,7 @@
     python examples/gpu/w4_gemv_sweep.py --out $OUT/w4_gemv_sweep.json        # H200, < 150 s
     python examples/gpu/w4_gemv_sweep.py --dry-run --out /tmp/w4_sweep.json   # CPU, Triton interpreter
 
-Variants: "base" (plugins/quantization/w4a16_gemv.py, split-K summed by a second kernel), the
+Variants: "base" (plugins/quantization/w4a16/gemv.py, split-K summed by a second kernel), the
 TILED_VARIANTS of w4a16_gemv_tiled.py (tile, tile_pf, mant, mant_pf: word tiles in flight, split-K summed in
 the kernel). Shapes qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, GPTQ v1 packing, group
 128, random codes, bf16 activations and scales. (A K-major repacking and a row-wise variant were measured
@@ -63,7 +63,7 @@ def split_for(n: int, k: int, block_n: int, block_k: int, per_sm: int) -> int:
 
 def make_weights(n: int, k: int, device: str, dtype: torch.dtype, copies: int) -> dict[str, Any]:
     """GPTQ v1 packing of random codes (as quant_bench.make_packed), `copies` clones, and the float32 W^T."""
-    from pagedllm.plugins.quantization.w4a16_layout import PackedLayout, pack_along_columns, pack_along_rows
+    from pagedllm.plugins.quantization.w4a16.layout import PackedLayout, pack_along_columns, pack_along_rows
 
     q = torch.randint(0, 16, (k, n), device=device, dtype=torch.int32)
     z = torch.randint(1, 16, (k // GROUP, n), device=device, dtype=torch.int32)
@@ -115,7 +115,7 @@ class Timer:
 
 def w4_fns(w: dict[str, Any], x: torch.Tensor, variant: str, blocks: tuple[int, int, int, int] | None
            ) -> list[Callable[[], torch.Tensor]]:
-    from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16.gemv import w4a16_gemv
 
     def call(qw: torch.Tensor, qz: torch.Tensor, s: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: w4a16_gemv(x, w["layout"], qw, qz, s, w["n"], blocks=blocks, variant=variant)
@@ -129,8 +129,8 @@ def err_of(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def point(ctx: dict[str, Any], w: dict[str, Any], x: torch.Tensor, ref: torch.Tensor, variant: str,
           blocks: tuple[int, int, int, int] | None) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.w4a16_gemv import gemv_blocks
-    from pagedllm.plugins.quantization.w4a16_gemv_tiled import tiled_blocks, tiled_reason
+    from pagedllm.plugins.quantization.w4a16.gemv import gemv_blocks
+    from pagedllm.plugins.quantization.w4a16.gemv_tiled import tiled_blocks, tiled_reason
 
     m, k = x.shape
     if blocks is None:
@@ -154,7 +154,7 @@ def point(ctx: dict[str, Any], w: dict[str, Any], x: torch.Tensor, ref: torch.Te
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.w4a16_gemv_tiled import TILED_VARIANTS
+    from pagedllm.plugins.quantization.w4a16.gemv_tiled import TILED_VARIANTS
 
     dry = args.dry_run
     device, dtype = ("cpu", torch.float16) if dry else ("cuda", torch.bfloat16)

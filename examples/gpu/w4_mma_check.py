@@ -1,4 +1,4 @@
-"""The tensor-core W4A16 GEMV (plugins/quantization/w4a16_mma.py): correctness, then speed on the 8B shapes.
+"""The tensor-core W4A16 GEMV (plugins/quantization/w4a16/mma.py): correctness, then speed on the 8B shapes.
 
     python examples/gpu/w4_mma_check.py --out $OUT/w4_mma.json      # one H200, < 120 s
 
@@ -36,13 +36,13 @@ FEATURES = [(4, 1, 1, 1), (4, 1, 1, 0), (4, 0, 1, 1), (2, 1, 1, 1), (4, 1, 0, 1)
 
 def check_one(n: int, k: int, m: int, dtype: torch.dtype, group: int, zero_offset: int,
               features: tuple[int, ...] = (4, 1, 1, 1)) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.w4a16_layout import (
+    from pagedllm.plugins.quantization.w4a16.layout import (
         PackedLayout,
         dequantize,
         pack_along_columns,
         pack_along_rows,
     )
-    from pagedllm.plugins.quantization.w4a16_mma import mma_blocks, mma_reason, w4a16_mma_gemv
+    from pagedllm.plugins.quantization.w4a16.mma import mma_blocks, mma_reason, w4a16_mma_gemv
 
     group = group if group > 0 else k
     q = torch.randint(0, 16, (k, n), device="cuda", dtype=torch.int32)
@@ -79,8 +79,8 @@ def main() -> None:
     ap.add_argument("--features", default="", help='e.g. "4,1,1,1;4,1,1,0;4,1,1,1,2" (cols, zfold, pdl, dq, probe)')
     args = ap.parse_args()
     features = [tuple(int(v) for v in f.split(",")) for f in args.features.split(";")] if args.features else FEATURES
-    from pagedllm.plugins.quantization.w4a16_gemv import w4a16_gemv
-    from pagedllm.plugins.quantization.w4a16_mma import MmaBlocks, mma_blocks, w4a16_mma_gemv, w4a16_mma_rows
+    from pagedllm.plugins.quantization.w4a16.gemv import w4a16_gemv
+    from pagedllm.plugins.quantization.w4a16.mma import MmaBlocks, mma_blocks, w4a16_mma_gemv, w4a16_mma_rows
 
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "speed": []}
@@ -104,7 +104,7 @@ def main() -> None:
 
     timer = Timer(False)
     layer = {"bf16": 0.0, "mant": 0.0, "mma_default": 0.0, "mma_best": 0.0, "mma_m16": 0.0, "gemm_m16": 0.0}
-    from pagedllm.plugins.quantization.w4a16_kernel import w4a16_gemm
+    from pagedllm.plugins.quantization.w4a16.kernel import w4a16_gemm
 
     for name, (n, k) in SHAPES_8B.items():
         packed_bytes = n * k // 2 + n * k // GROUP * 5 // 2

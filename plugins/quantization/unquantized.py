@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm import hookimpl
+from pagedllm.api import hookimpl
 
 
 def _load() -> Any:
-    from pagedllm.layers.unquantized import UnquantizedConfig
+    from pagedllm.api.quantization import UnquantizedConfig
 
     return UnquantizedConfig
 

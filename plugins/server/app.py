@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.api.engine import AsyncLLM
 from pagedllm.plugins.server.errors import (
     ERROR_RESPONSES,
     APIError,

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestValidationError
+from pagedllm.api.engine import EngineDeadError, QueueFullError, RequestValidationError
 from pagedllm.plugins.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("pagedllm.server")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm import hookimpl
+from pagedllm.api import hookimpl
 
 
 def _load() -> Any:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.api.engine import EngineConfig
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -29,7 +29,7 @@ def serve(config: EngineConfig, options: Any) -> int:
 async def _serve(config: EngineConfig, options: Any) -> int:
     import uvicorn
 
-    from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError
+    from pagedllm.api.engine import AsyncLLM, EngineDeadError
     from pagedllm.plugins.server.app import build_app
 
     engine = AsyncLLM(config, served_model_name=options.served_model_name)

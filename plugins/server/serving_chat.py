@@ -10,8 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.api.engine import AsyncLLM, Logprob, RequestOutput
 from pagedllm.plugins.server.errors import APIError
 from pagedllm.plugins.server.protocol import (
     ChatChoice,

@@ -9,11 +9,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.outputs import RequestOutput
+from pagedllm.api.engine import AsyncLLM, RequestOutput
+from pagedllm.api.sched import SamplingParams
 from pagedllm.plugins.server.errors import APIError, error_body, from_exception
 from pagedllm.plugins.server.protocol import Usage
-from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

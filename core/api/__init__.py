@@ -1,0 +1,50 @@
+"""pagedllm.api: the one import surface for plugins.
+
+A plugin imports from `pagedllm.api` (this module) and its submodules, and from its own package; everything
+else in pagedllm is internal and may change in any release (docs/plugins/api.md lists this surface and the
+compatibility policy). CI enforces the rule for the in-tree plugins (import-linter contracts in
+pyproject.toml).
+
+This module is light -- no torch -- because registration modules import it while `pagedllm plugins` and
+`import pagedllm` must stay fast: it holds what registration needs (`hookimpl`, the kinds, component specs,
+KV-cache spec types, the version). Implementation modules, imported when a component is used, take the rest
+from the submodules:
+
+    pagedllm.api.attention     attention backends: per-step metadata, layer config
+    pagedllm.api.kv            KV managers: block pool, blocks, single-type manager base
+    pagedllm.api.sched         schedulers: bookkeeping base, requests, step messages
+    pagedllm.api.model         model architectures: build context, layers, decoder blocks, weight loading
+    pagedllm.api.quantization  quantization methods: the unquantized fallback, weight helpers
+    pagedllm.api.loading       loaders: model info, HF folders, GGUF blocks
+    pagedllm.api.kernels       the kernel toolkit (compile-ahead launches, NVRTC, native builds, PDL, split-K)
+    pagedllm.api.engine        entrypoints: engine config, async frontend, outputs, errors
+    pagedllm.api.executor      executors: context, tensor-parallel worker and driver
+    pagedllm.api.spec_decode   speculative proposers: context, requests, proposals
+"""
+
+from __future__ import annotations
+
+from pagedllm.hookspecs import hookimpl
+from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from pagedllm.plugin_spec import ComponentSpec, PluginKind
+
+# NOTE: semver over exactly the names this package and its submodules export. A minor release may add
+# names, optional protocol methods with defaults, or optional keyword arguments; removing or renaming a
+# name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
+# removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
+# PAGEDLLM_PLUGIN_API = ">=1,<2".
+API_VERSION = "1.1.0"
+PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
+
+__all__ = [
+    "API_VERSION",
+    "PLUGIN_API_VERSION",
+    "AttentionSpec",
+    "ComponentSpec",
+    "FullAttentionSpec",
+    "KVCacheSpec",
+    "MambaSpec",
+    "PluginKind",
+    "SlidingWindowSpec",
+    "hookimpl",
+]

@@ -1,0 +1,23 @@
+"""pagedllm.api.sched: What a scheduler plugin builds on: the bookkeeping base class, requests, the step's input and output messages.
+
+Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
+"""
+
+from __future__ import annotations
+
+from pagedllm.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.base import SchedulerBase
+from pagedllm.sched.stats import SchedulerStats
+
+__all__ = [
+    "EngineCoreOutput",
+    "ModelRunnerOutput",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "SchedulerBase",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

@@ -1,0 +1,18 @@
+"""Registers Qwen3 (per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.api import hookimpl
+
+
+def _load() -> Any:
+    from pagedllm.plugins.models.llama.qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+@hookimpl
+def register_models(register: Any) -> None:
+    register("Qwen3ForCausalLM", _load, description="Qwen3 (dense)")

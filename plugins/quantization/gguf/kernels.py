@@ -1,0 +1,260 @@
+"""Matmul kernels for GGUF weights kept quantized, each an nn.Module whose buffers are the resident weight.
+
+Every kernel computes y = x @ W^T for one [N, K] matrix W and can return dequantized rows W[ids] (so a tied
+embedding and LM head share one quantized copy):
+
+    NativeKernel      Q4_0, Q4_1, Q8_0 on the CPU: the file's blocks as they are, read by our C kernels
+                      (gguf_cpu.c, built at first use) with float32 activations: the default on the CPU
+    Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
+    GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
+                      column (Q8_0, Q5_0, Q5_1)
+    TritonKernel      CUDA, Q4_0 .. Q8_0 and Q2_K .. Q6_K: the file's blocks read by gguf_triton.py's kernels
+                      (a GEMV for <= 8 rows, else dequantize to a scratch matrix + cuBLAS): `quantization: gguf`
+                      on CUDA
+    DequantKernel     any type: blocks kept, dequantized per call (optionally cached once as float)
+    DenseKernel       F32 / F16 / BF16 tensors of a GGUF file
+
+NOTE 1: aten's CPU int4 GEMM (``aten/src/ATen/native/cpu/int4mm_kernel.cpp``) dequantizes a weight as
+``(q - 8) * scale + zero`` per group, scale and zero interleaved in a [K/group, N, 2] tensor of the activation
+dtype. Its AVX2/AVX512 paths are vectorized for bfloat16 only (float32 and float16 fall to a scalar loop,
+~15x slower here), so activations, scales and zeros go in as bfloat16 and the output comes back in x's dtype.
+Q4_1 (w = d * q + m) maps to scale d, zero m + 8d; Q4_0 (w = d * (q - 8)) to scale d, zero 0.
+NOTE 2: aten's int8 weight-only GEMM takes one scale per output row, but Q8_0 has one per 32 inputs, so we
+run it once per group column with that column's scales and sum in float32: the weights stay exact, only the
+activations and the per-group partial sums are rounded to bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32
+_ACT = torch.bfloat16  # NOTE 1
+# NOTE 3: from this many activation rows on (prefill chunks, large batches) NativeKernel dequantizes the whole
+# matrix in C and lets MKL's float32 GEMM do the rest; below it its own kernel decodes each block once per 4
+# rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
+NATIVE_GEMM_ROWS = 16
+
+
+class NativeKernel(nn.Module):
+    """The GGUF blocks as stored in the file, multiplied by gguf_cpu.c (float32 activations, exact weights)."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], lib: Any) -> None:
+        super().__init__()
+        self.register_buffer("blocks", data.contiguous())
+        self.ggml_type = int(ggml_type)
+        self.n, self.k = shape
+        self._lib = lib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] < NATIVE_GEMM_ROWS and x.dtype == torch.float32 and x.is_contiguous():
+            # NOTE: the decode path (~120 calls a token): no reshapes, and the buffer read from _buffers
+            # directly (nn.Module.__getattr__ costs ~1 us a call here).
+            y = torch.empty(x.shape[0], self.n)
+            self._lib.matmul(self.ggml_type, self._buffers["blocks"], self.n, self.k, x, y)
+            return y
+        flat = x.reshape(-1, self.k)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
+        if flat.shape[0] >= NATIVE_GEMM_ROWS:
+            y = F.linear(flat, self.dequantize())
+        else:
+            y = torch.empty(flat.shape[0], self.n)
+            self._lib.matmul(self.ggml_type, self.blocks, self.n, self.k, flat, y)
+        if x.dim() != 2 or x.dtype != torch.float32:
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+        return y
+
+    def bind_row(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
+        """out [1, n] = x [1, k] @ W^T as a call with its pointers bound (NativeLibrary.bind_matmul)."""
+        blocks = self._buffers["blocks"]
+        assert blocks is not None
+        return cast(Callable[[int], None], self._lib.bind_matmul(self.ggml_type, blocks, self.n, self.k, x, out))
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole [N, K] matrix in float32 (a temporary: nothing keeps it)."""
+        out = torch.empty(self.n, self.k)
+        self._lib.dequantize_rows(self.ggml_type, self.blocks, self.n, self.k, None, out)
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] (float32)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.k)
+        self._lib.dequantize_rows(self.ggml_type, self.blocks, self.n, self.k, ids, out)
+        return out
+
+
+class Int4PackKernel(nn.Module):
+    """w = (q - 8) * scale + zero, q in 0..15, one (scale, zero) per 32 inputs; aten's CPU int4 GEMM."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        super().__init__()
+        n, k = q.shape
+        self.n, self.k = n, k
+        pad = -n % 64  # whole 64-row chunks: aten packs a partial chunk differently (and rows() assumes not)
+        q32 = F.pad(q.to(torch.int32), (0, 0, 0, pad))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1))
+        sz = torch.stack([F.pad(scale.float(), (0, 0, 0, pad)), F.pad(zero.float(), (0, 0, 0, pad))], dim=-1)
+        self.register_buffer("scale_zeros", sz.transpose(0, 1).contiguous().to(_ACT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.k).to(_ACT)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scale_zeros)
+        return y[:, : self.n].to(x.dtype).reshape(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] (float32), read straight out of the packed layout."""
+        base, stride, shift = _int4pack_layout(self.k)
+        chunk, r = ids // 64, ids % 64
+        flat = self.packed.reshape(-1)
+        cols = torch.arange(self.k)
+        index = (chunk * 64 * self.k // 2 + base[r]).unsqueeze(-1) + cols * stride
+        q = (flat[index].int() >> shift[r].unsqueeze(-1)) & 0x0F
+        sz = self.scale_zeros[:, ids].float()  # [K/32, T, 2]
+        scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)
+        zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
+        return (q.float() - 8) * scale + zero
+
+
+@functools.cache
+def _int4pack_layout(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where row r (of a 64-row chunk) and input 0 sit in aten's packed bytes: (byte, stride per input, shift).
+
+    The layout depends on the CPU's vector width (ATen packs 32 rows for AVX2, 64 for AVX512, pairs without
+    SIMD), so rather than copy one we ask the packer: one marked row at a time, then check a random matrix.
+    """
+    base, stride, shift = [], [], []
+    for r in range(64):
+        probe = torch.zeros(64, k, dtype=torch.int32)
+        probe[r] = 1
+        flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1)
+        where = flat.nonzero().flatten()
+        base.append(int(where[0]))
+        stride.append(int(where[1] - where[0]) if k > 1 else 0)
+        shift.append(0 if int(flat[where[0]]) == 1 else 4)
+    layout = torch.tensor(base), torch.tensor(stride), torch.tensor(shift)
+    if len(set(stride)) != 1:
+        raise RuntimeError("unexpected int4pack layout: the byte stride differs between rows")
+    check = torch.randint(0, 16, (64, k), dtype=torch.int32)
+    flat = torch.ops.aten._convert_weight_to_int4pack_for_cpu(check, 1).reshape(-1)
+    index = layout[0].unsqueeze(-1) + torch.arange(k) * stride[0]
+    if not torch.equal((flat[index].int() >> layout[2].unsqueeze(-1)) & 0x0F, check):
+        raise RuntimeError("unexpected int4pack layout: probing did not reproduce a random matrix")
+    return layout[0], torch.tensor(stride[0]), layout[2]
+
+
+class GroupInt8Kernel(nn.Module):
+    """w = scale * q (+ zero) per 32 inputs, q int8; one aten int8 weight-only GEMM per group (NOTE 2)."""
+
+    qg: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+        super().__init__()
+        n, k = q.shape
+        self.n, self.k, self.groups = n, k, k // GROUP
+        self.register_buffer("qg", q.to(torch.int8).reshape(n, self.groups, GROUP).transpose(0, 1).contiguous())
+        # float16 holds a GGUF scale exactly (rows() stays exact); the GEMM gets a bfloat16 copy per call.
+        self.register_buffer("scale", scale.t().contiguous().to(torch.float16))  # [groups, N]
+        self.register_buffer("zero", None if zero is None else zero.float().t().contiguous())  # [groups, N]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.groups, GROUP).to(_ACT)
+        y = torch.zeros(flat.shape[0], self.n, dtype=torch.float32, device=x.device)
+        scale = self.scale.to(_ACT)
+        for g in range(self.groups):
+            y += torch.ops.aten._weight_int8pack_mm(flat[:, g].contiguous(), self.qg[g], scale[g]).float()
+        if self.zero is not None:  # sum_i (s q_i + z) x_i = s (q . x) + z * sum_i x_i
+            y += x.reshape(-1, self.groups, GROUP).float().sum(-1) @ self.zero
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.qg[:, ids].float()  # [groups, T, 32]
+        w = q * self.scale[:, ids].float().unsqueeze(-1)
+        if self.zero is not None:
+            w = w + self.zero[:, ids].unsqueeze(-1)
+        return w.transpose(0, 1).reshape(len(ids), self.k)
+
+
+class TritonKernel(nn.Module):
+    """The GGUF blocks as stored in the file (uint8 [N, bytes per row] on the GPU), run by gguf_triton.py."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], device: torch.device) -> None:
+        super().__init__()
+        from pagedllm.plugins.quantization.gguf import triton_gemm as gguf_triton
+
+        self.register_buffer("blocks", data.to(device).contiguous())
+        self.ggml_type = int(ggml_type)
+        self.n, self.k = shape
+        self._triton = gguf_triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._triton.gguf_matmul(x, self._buffers["blocks"], self.ggml_type, self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] (float32, exact): the picked rows' blocks through the dequantize kernel."""
+        picked = self.blocks[ids.to(self.blocks.device)]
+        return self._triton.gguf_dequantize(picked, self.ggml_type, self.k, torch.float32)
+
+
+class DequantKernel(nn.Module):
+    """Any GGUF type: the blocks stay resident and are dequantized per call (or once, when `cache`)."""
+
+    blocks: torch.Tensor
+    fallback_reason: str | None = None  # set when a faster kernel was refused (gguf_method.make_kernel)
+
+    def __init__(self, data: torch.Tensor, ggml_type: object, shape: tuple[int, int], cache: bool) -> None:
+        super().__init__()
+        from pagedllm.api.loading import dequantize_blocks
+
+        self._dequantize = functools.partial(dequantize_blocks, ggml_type=ggml_type, shape=shape)
+        self.register_buffer("blocks", data.contiguous())
+        self.cache = cache
+        self._cached: torch.Tensor | None = None
+
+    def weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._cached is not None:
+            return self._cached
+        w = self._dequantize(self.blocks.cpu()).to(device=self.blocks.device, dtype=dtype)
+        if self.cache:
+            self._cached = w
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight(x.dtype))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.blocks[ids.to(self.blocks.device)].cpu()
+        shape = (len(ids), self._dequantize.keywords["shape"][1])
+        return self._dequantize(picked, shape=shape).to(self.blocks.device)
+
+
+class DenseKernel(nn.Module):
+    """A float matrix (F32/F16/BF16 in the file), kept in the model dtype."""
+
+    weight: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()

@@ -1,0 +1,1 @@
+"""plugins.quantization.w4a16"""
