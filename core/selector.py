@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +57,7 @@ def select(
     if requested is not None:
         spec = next((c for c in pool if c.name == requested), None)
         if spec is None:
-            names = ", ".join(sorted(c.name for c in pool)) or "none"
-            hint = _broken_hint(pm, kind) or (
-                f"; no installed plugin registers it (is the package that provides it installed? "
-                f"`pagedllm plugins` lists every {kind.value})"
-            )
-            raise SelectionError(f"no {kind.value} named '{requested}'; available: {names}{hint}")
+            raise SelectionError(unknown_component_message(pm, kind, requested, [c.name for c in pool]))
         reasons = spec.reasons_against(context)
         if reasons:
             raise SelectionError(
@@ -91,6 +87,31 @@ def select(
         detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in rejected) or "no candidates registered"
         raise SelectionError(f"no usable {kind.value} for {context!r}: {detail}")
     return Selection(kind, winner, None, rejected, priority=priority[winner.name])
+
+
+def unknown_component_message(pm: PluginManager, kind: PluginKind, requested: str, names: Iterable[str]) -> str:
+    """Why `requested` names no `kind`: the names there are, broken plugins that may have provided it, a close match.
+
+    Shared with config validation (`pagedllm.config.check_component_names`), so a misspelled name reads the
+    same whether `pagedllm config validate` or the engine build finds it.
+    """
+    available = sorted(names)
+    hint = _broken_hint(pm, kind) or (
+        f"; no installed plugin registers it (is the package that provides it installed? "
+        f"`pagedllm plugins` lists every {kind.value})"
+    )
+    close = close_match(requested, available)
+    # Last: everything before it ("...; available: fcfs; no installed plugin registers it") is quoted by docs
+    # and matched by scripts, so the suggestion only ever adds to the end.
+    suggestion = f"; did you mean '{close}'?" if close else ""
+    return f"no {kind.value} named '{requested}'; available: {', '.join(available) or 'none'}{hint}{suggestion}"
+
+
+def close_match(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate `name` most likely misspells (difflib's ratio >= 0.6), ignoring case; None when none is."""
+    by_folded = {c.casefold(): c for c in candidates}
+    found = difflib.get_close_matches(name.casefold(), list(by_folded), n=1)
+    return by_folded[found[0]] if found else None
 
 
 def effective_priority(spec: ComponentSpec, context: Any) -> int:

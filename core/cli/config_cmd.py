@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from typing import Any
 
 import yaml
 
 from pagedllm.cli.engine_args import add_engine_args, engine_config_from_args
-from pagedllm.config import ConfigError, EngineConfig, read_config_file
+from pagedllm.config import COMPONENT_KEYS, ConfigError, EngineConfig, read_config_file
 
 DOCS_PATH = "docs/configuration.md"
 
@@ -28,7 +29,9 @@ def add_parser(sub: Any) -> None:
     show.set_defaults(func=run_show)
     schema = csub.add_parser("schema", help="print the config's JSON schema")
     schema.set_defaults(func=run_schema)
-    validate = csub.add_parser("validate", help="validate a config file (plugin sections included)")
+    validate = csub.add_parser(
+        "validate", help="validate a config file (plugin names and plugin sections included)"
+    )
     validate.add_argument("file", help="YAML or TOML config file")
     validate.set_defaults(func=run_validate)
     docs = csub.add_parser("docs", help=f"print {DOCS_PATH}, generated from the schema")
@@ -90,16 +93,19 @@ def run_schema(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    """Exit 0 when the file (with environment overrides) and its plugin sections are valid; 2 otherwise."""
+    """Exit 0 when the file (with environment overrides), the component names it gives and its plugin sections
+    are valid; otherwise raise ConfigError, which main() reports with exit status 2."""
     import warnings
 
-    from pagedllm.config import validate_plugin_sections
+    from pagedllm.config import check_component_names, validate_plugin_sections
     from pagedllm.plugin_manager import get_plugin_manager
 
     cfg = EngineConfig.from_dict(read_config_file(args.file), source=args.file)
+    pm = get_plugin_manager()
+    check_component_names(cfg, pm, source=args.file)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        validate_plugin_sections(cfg, get_plugin_manager().config_models())
+        validate_plugin_sections(cfg, pm.config_models())
     for w in caught:
         if "plugins." in str(w.message):
             print(f"note: {w.message}")
@@ -144,6 +150,9 @@ def config_docs() -> str:
         "reason. A plugin's own section `plugins.<component name>` is validated by the pydantic model the plugin",
         "registers (`config_model=`, see docs/plugins/README.md); errors name `plugins.<name>.<key>`.",
         "",
+        *textwrap.wrap(_VALIDATION_DOCS.format(keys=", ".join(f"`{k}`" for k in COMPONENT_KEYS)), width=108,
+                       break_on_hyphens=False, break_long_words=False),
+        "",
     ]
     top, sections = [], []
     for key, prop in schema["properties"].items():
@@ -159,6 +168,18 @@ def config_docs() -> str:
             out += [" ".join(sub["description"].split()), ""]
         out += _table(list(sub["properties"].items()), sub.get("required", []), prefix=f"{key}.")
     return "\n".join(out).rstrip() + "\n"
+
+
+# The paragraph on component-name checks; the keys come from COMPONENT_KEYS, so the list cannot go stale.
+_VALIDATION_DOCS = (
+    "Every key that names a component ({keys}; each item of a list) is checked against the names the installed "
+    "plugins register; `null` means \"choose for me\" (or off). An unknown name is reported with its dotted "
+    "key, the names available and, for a near miss, \"did you mean 'X'?\"; every such key is reported, and "
+    "`config validate` exits 2. The check reads names only (no plugin is loaded, torch is not imported), so "
+    "whether this machine can run the component (flash_attn installed, a GPU) is left to engine start. "
+    "`generate`, `serve`, `chat`, `bench` and `config show` run the same check before loading anything, and a "
+    "config or selection error there is one line on stderr, `pagedllm: error: <message>`, with exit status 2."
+)
 
 
 def _ref(prop: dict[str, Any]) -> str | None:

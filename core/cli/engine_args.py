@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from pagedllm.config import ConfigError, EngineConfig
+from pagedllm.config import ConfigError, EngineConfig, check_component_names
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -49,9 +49,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="any config key, dotted (e.g. --set scheduler.enable_chunked_prefill=false); repeatable",
     )
+    # Marks the command as one that builds an engine: main() checks its config before dispatching to it.
+    parser.set_defaults(builds_engine=True)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config the flags describe (file, environment, flags), its component names checked.
+
+    The check is by name against plugin discovery only (`check_component_names`): a misspelled plugin fails
+    here, naming its key, instead of deep inside the engine build.
+    """
+    config = _config_from_args(args)
+    check_component_names(config, source=args.config or "config")
+    return config
+
+
+def _config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides: dict[str, Any] = {}
     for flag, (key, _typ, _help) in _FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
