@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from pagedllm.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sample.logits_processor import LogitsBatch, LogitsProcessor, LogitsProcessorContext
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched.base import SchedulerBase
+from pagedllm.sched.base import SchedulerBase, SchedulerContext
 from pagedllm.sched.stats import SchedulerStats
 
 __all__ = [
+    "LogitsBatch",
+    "LogitsProcessor",
+    "LogitsProcessorContext",
+    "SchedulerContext",
     "EngineCoreOutput",
     "ModelRunnerOutput",
     "Request",

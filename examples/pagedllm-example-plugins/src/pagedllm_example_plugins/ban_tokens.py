@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.sample.logits_processor import LogitsBatch, LogitsProcessorContext
+from pagedllm.api.sched import LogitsBatch, LogitsProcessorContext
 
 
 class BanTokensProcessor:

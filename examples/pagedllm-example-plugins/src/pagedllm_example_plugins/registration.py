@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm import hookimpl
+from pagedllm.api import hookimpl
 
 # The pagedllm plugin API this package was written against; another major version skips it with a warning.
 PAGEDLLM_PLUGIN_API = ">=1,<2"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pagedllm.engine.messages import SchedulerOutput
-from pagedllm.request import Request, RequestStatus
-from pagedllm.sched.base import SchedulerBase, SchedulerContext
+from pagedllm.api.sched import Request, RequestStatus, SchedulerBase, SchedulerContext, SchedulerOutput
 
 
 class ShortestPromptFirstScheduler(SchedulerBase):
