@@ -6,7 +6,7 @@ its FloatQuantizationCompressor), and its own `dequantize` is the reference:
 1. Our resident weights (fp8 codes x row scale) equal compressed-tensors' dequantization exactly, for
    per-channel (FP8_DYNAMIC) and per-tensor (FP8, static activations) schemes, fused pieces included.
 2. Greedy tokens equal transformers' float32 model loaded with those dequantized weights (the CPU path is
-   weight-only: activations are not quantized off Hopper, see fp8_method.py).
+   weight-only: activations are not quantized off Hopper, see fp8/method.py).
 3. The same bytes under `quant_method: fp8` (per-tensor scalar scales, static input scales) load and match.
 4. `quantization: fp8` on a float checkpoint: our codes and scales equal compressed-tensors quantizing the
    same weights per channel (within one e4m3 step where the two divisions round differently), and greedy

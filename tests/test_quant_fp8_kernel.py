@@ -1,4 +1,4 @@
-"""The fused per-token FP8 activation quantization (fp8_kernel.py) against the torch code, under Triton's interpreter.
+"""The fused per-token FP8 activation quantization (fp8/kernel.py) against the torch code, under Triton's interpreter.
 
 Bit for bit: x_q's bytes and the float32 scales must equal fp8_method.quantize_activations_torch's. The
 rows include the cases a cast gets wrong when done carelessly: ties (x / a exactly halfway between two e4m3

@@ -1,4 +1,4 @@
-"""The Triton GGUF kernels (gguf_triton.py) against gguf-py, under Triton's interpreter; and an sm_90 compile.
+"""The Triton GGUF kernels (gguf/triton_gemm.py) against gguf-py, under Triton's interpreter; and an sm_90 compile.
 
 Blocks: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 come from the `gguf` package's quantizer on random weights; gguf-py has
 no K-quant quantizer, so Q2_K .. Q6_K blocks are random bytes with their f16 scale fields set to small
@@ -86,7 +86,7 @@ def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int
         for dtype in (torch.float32, torch.float16):
             x = torch.randn(m, k, generator=g).to(dtype)
             # The element-wise GEMV with the 8B shapes' tiles (fewer interpreted programs), but Q4_0 through the
-            # kernel's own dispatch: the block-wise GEMV at M = 1, 3 (gguf_block_gemv.py), the scratch at 64.
+            # kernel's own dispatch: the block-wise GEMV at M = 1, 3 (gguf/block_gemv.py), the scratch at 64.
             y = gguf_gemv(x, data, int(t), n, gemv_blocks(4096, m)) if m <= 8 and t != t.Q4_0 else kernel.forward(x)
             w_ref = ref_w.to(dtype).double() if m > 8 else ref_w.double()  # the scratch holds W in x's dtype
             ref = x.double() @ w_ref.t()
@@ -99,7 +99,7 @@ def _check_case(blocks: Any, name: str, n: int, k: int, seed: int, ms: tuple[int
     return out
 
 
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf_block_gemv.py's types
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf/block_gemv.py's types
 BLOCK_N_ROWS, BLOCK_K = 37, 32 * 9  # odd N; nine 32-weight blocks: not a multiple of BLOCK_B = 8 blocks
 # (M, tiles): the default tiles (five n blocks, one partial step of 32 blocks, no split), BLOCK_B = 8 with
 # split-K 2 (one full step, then one block; one or three n blocks) and one 64-row program (27 rows masked):
@@ -186,7 +186,7 @@ def test_smollm2_matrix() -> None:
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_block_gemv_equals_gguf_reference(name: str) -> None:
-    """gguf_block_gemv.py within 1e-6 sum |x| |w| (+ half an fp16 ulp) of x @ W^T, M = 1..4, split-K, same bits."""
+    """gguf/block_gemv.py within 1e-6 sum |x| |w| (+ half an fp16 ulp) of x @ W^T, M = 1..4, split-K, same bits."""
     got = dict(_chunk_results(-1)[name])
     for m, _ in _BLOCK_CASES:
         case = got[f"m{m}"]

@@ -1,4 +1,4 @@
-"""The large-M W4A16 path (w4a16_dequant.py): the Triton dequantization kernel and dequantize + matmul.
+"""The large-M W4A16 path (w4a16/dequant.py): the Triton dequantization kernel and dequantize + matmul.
 
 As in test_quant_w4a16_gemv.py, TRITON_INTERPRET must be set before triton is first imported, so the kernel
 cases run in child processes (this file as a script, CHUNKS of them) and the tests read their JSON.

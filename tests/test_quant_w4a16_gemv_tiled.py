@@ -1,4 +1,4 @@
-"""The tiled decode GEMV variants (w4a16_gemv_tiled.py) against dequantize-then-matmul, under Triton's interpreter.
+"""The tiled decode GEMV variants (w4a16/gemv_tiled.py) against dequantize-then-matmul, under Triton's interpreter.
 
 As in test_quant_w4a16_gemv.py: cases run in child processes (this file as a script; TRITON_INTERPRET is set
 before triton is imported) and the tests read their JSON. Bound, elementwise, with S = |x| @ |W^T|:

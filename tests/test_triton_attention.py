@@ -58,7 +58,7 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
     "prefill_heads_first": ([9, 0, 5], [1, 250, 140], {"prefill": {"heads_first": True}}, 1e-5),
     "prefill_per_head_heads_first": ([9, 0, 5], [1, 250, 140], {
         "prefill": {"heads_first": True, "pack_gqa": False, "reverse": False}}, 1e-5),
-    # triton_backend NOTE 5: the decodes as their own launch, the rest over views from request 3 on (a fresh
+    # triton/backend.py NOTE 5: the decodes as their own launch, the rest over views from request 3 on (a fresh
     # prompt, a chunk after cached tokens), and with the rest under the PREFILL rule
     "split_decodes_mixed": ([5, 8, 12, 0, 5], [1, 1, 1, 7, 6], {"split_decodes": 3}, 1e-5),
     "split_decodes_prefill_fp16": ([9, 20, 0, 5], [1, 1, 250, 140], {"split_decodes": 2, "dtype": "float16"},
@@ -225,7 +225,7 @@ def test_check_only_with_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> 
 def test_split_policy() -> None:
     from pagedllm.plugins.attention.triton.backend import choose_segments
 
-    # Split only below 2 programs per SM (triton_backend NOTE 2): 64 x 8 = 512 programs fill 132 SMs unsplit.
+    # Split only below 2 programs per SM (triton/backend.py NOTE 2): 64 x 8 = 512 programs fill 132 SMs unsplit.
     assert choose_segments(64, 8, 132) == 1
     assert choose_segments(32, 8, 132) == 2  # 256 programs < 264
     assert choose_segments(8, 8, 132) == 8  # long-context small batches still split

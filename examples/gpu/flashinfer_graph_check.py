@@ -4,7 +4,7 @@
     FLASHINFER_WORKSPACE_BASE=<kept dir> python examples/gpu/flashinfer_graph_check.py --out $OUT/fi_graph.json
         [--stages k,e,w] [--w3-tokens 256] [--w3-model 8b|small]
 
-The graph path (flashinfer_backend.py NOTE 3, cuda_graphs.py NOTE 6) re-plans FlashInfer's graph-mode decode
+The graph path (flashinfer/backend.py NOTE 3, cuda_graphs.py NOTE 6) re-plans FlashInfer's graph-mode decode
 wrappers before every replay. FlashInfer JIT-compiles each kernel variant on first use (~20-90 s on a fresh
 machine, cached under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer, default ~): this script needs the bf16 head-128
 decode module (the graph wrapper's and the eager one are the same module) and the FA3 prefill module -- the

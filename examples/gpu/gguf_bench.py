@@ -13,7 +13,7 @@
      against bf16 F.linear on the same shapes; error = max |y - ref| / max |ref| with ref = x @ W (float32)
   3. the engine: the embedded SmolLM2 Q4_1 GGUF, batch 1, greedy, 128 tokens, dequantized at load (the CUDA
      default) vs `quantization="gguf"` (the Triton kernels): decode tok/s, resident weight bytes, same tokens?
-  4. the block-wise GEMV (gguf_block_gemv.py) beside the element-wise one (gguf_triton.py's, forced with its
+  4. the block-wise GEMV (gguf/block_gemv.py) beside the element-wise one (gguf/triton_gemm.py's, forced with its
      tiles) and bf16 F.linear: Llama-3.1-8B qkv, o, gate_up, down and the 128,256 x 4096 LM head in Q4_0, Q4_1,
      Q8_0 at M = 1, 2, 4; µs per call, weight GB/s, error of each against x @ W (float32), and per 8B layer
      (qkv + o + gate_up + down) the sum. Predictions: docs/perf-notes.md §8, "Second pass".

@@ -205,7 +205,7 @@ def stage_timing(gen: torch.Generator, quick: bool) -> None:
 
 
 def stage_split_policy(gen: torch.Generator, sms: int, quick: bool) -> None:
-    """The split-KV policy (triton_backend NOTE 2) against every split factor, default tile and warps.
+    """The split-KV policy (triton/backend.py NOTE 2) against every split factor, default tile and warps.
 
     Timed as decode runs: 20 calls captured in a CUDA graph, device time per call (eager events would
     time the host's launches at these sizes). Shapes: 2048-token contexts at batch 1..128, 32k contexts at

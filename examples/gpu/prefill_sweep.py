@@ -5,8 +5,8 @@
     python examples/gpu/prefill_sweep.py --cases w1wave --out $OUT/w1wave.json  # one case (~40-60 s)
     python examples/gpu/prefill_sweep.py --dry-run --out /tmp/prefill.json    # CPU, Triton interpreter
 
-Two kernels: the unified paged kernel (triton_kernels.py, K/V gathered from the pages; its table entries, the
-full grid measured 2026-11-29 with --unified-grid) and the fresh-prefill kernel (triton_prefill.py, K/V read
+Two kernels: the unified paged kernel (triton/kernels.py, K/V gathered from the pages; its table entries, the
+full grid measured 2026-11-29 with --unified-grid) and the fresh-prefill kernel (triton/prefill.py, K/V read
 from the step's own key/value rows through TMA descriptors; rows labelled F, run on the all-fresh cases).
 
 Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blocks):
@@ -17,7 +17,7 @@ Cases (32 query / 8 KV heads, head 128, page 16, bf16, random non-contiguous blo
            orders them (137.5 + 8.6 GFLOP; the decodes also read 2.1 GB of K/V)
 FLOPs = 4 x (visible query-key pairs) x 32 heads x 128: masked-out work is not counted.
 
-Each config of the grid (triton_tuning.py's AttentionConfig / FreshPrefillConfig) runs on every case it
+Each config of the grid (triton/tuning.py's AttentionConfig / FreshPrefillConfig) runs on every case it
 applies to: output checked against torch SDPA in float32 on the same K/V (rel_l2 = ||out - ref|| / ||ref||, ok
 below 1e-2; bf16 rounding gives ~2e-3), then timed with CUDA events, median of 20 calls after 3 warm-up
 calls. Also timed: the unified rule's default (`default`: unified_attention with no config) and the engine
@@ -95,7 +95,7 @@ def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
         return [tt.PREFILL, v1_best, replace(tt.PREFILL, pack_gqa=False), tt.FRESH_PREFILL,
                 fresh(rows=16, tile_n=16, num_warps=4, num_stages=2, kv_load="device", warp_specialize=True),
                 fresh(rows=16, tile_n=16, num_warps=4, num_stages=2, kv_load="pointer", pack_gqa=False)]
-    # the 1 x 8192 best of the last sweep (triton_tuning NOTE 4)
+    # the 1 x 8192 best of the last sweep (triton/tuning.py NOTE 4)
     long_best = tt.AttentionConfig(rows=128, tile_n=128, num_warps=8, num_stages=5, reverse=True, k_rows=True)
     out: list[Any] = [tt.PREFILL, tt.MIXED, v1_best, long_best, tt.FRESH_PREFILL]
     # Narrower programs for mixed steps (perf-notes §17e): a decode's 4 rows waste less of 32 or 16 rows than
@@ -104,7 +104,7 @@ def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
     out += [cfg(rows=32, tile_n=64, num_warps=4, num_stages=3, k_rows=True),
             cfg(rows=32, tile_n=32, num_warps=4, num_stages=3, reverse=True, k_rows=True),
             cfg(rows=32, tile_n=64, num_warps=4, num_stages=2, reverse=True, k_rows=True), tt.DECODE_WIDE]
-    # Fresh kernel (triton_prefill.py). 128 rows: 4 warps spill the 128 x 128 float32 accumulator unless
+    # Fresh kernel (triton/prefill.py). 128 rows: 4 warps spill the 128 x 128 float32 accumulator unless
     # warp-specialized (then 2 consumer warpgroups of 64 rows + a TMA producer: 12 warps, 168 registers, no
     # spills offline); 128 x 128 tiles at 3 stages take 225 KB of shared memory, 4 would not fit.
     for tile, stages in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3)):
@@ -125,14 +125,14 @@ def grid(dry: bool, unified_grid: bool = False) -> list[Any]:
 
 
 def unified_full_grid() -> list[Any]:
-    """The unified kernel's grid of the 2026-11-29 sweep (triton_tuning NOTE 4)."""
+    """The unified kernel's grid of the 2026-11-29 sweep (triton/tuning.py NOTE 4)."""
     from pagedllm.plugins.attention.triton import tuning as tt
 
     cfg = tt.AttentionConfig
     v1_best = v1_best_config()
     out: list[Any] = []
     # 1. rows x tile x warps x stages, the layout switches at the PREFILL entry's (reverse, K as rows).
-    #    Stages 2, 3 and 4 all prefetch one K/V tile (triton_tuning NOTE 1): 4 only once, as evidence.
+    #    Stages 2, 3 and 4 all prefetch one K/V tile (triton/tuning.py NOTE 1): 4 only once, as evidence.
     sw = {"reverse": tt.PREFILL.reverse, "k_rows": tt.PREFILL.k_rows}
     for tile in (32, 64, 128):
         for warps in (4, 8):
@@ -314,7 +314,7 @@ def forward_row(shape: Shape, case: dict[str, Any], ref: torch.Tensor, work: flo
         md.fresh_from = None
     elif route == "any":
         md.fresh_from = fresh_run_start(case["common"], 0)
-    elif route == "split":  # triton_backend NOTE 5: the decodes as their own launch, fresh route off
+    elif route == "split":  # triton/backend.py NOTE 5: the decodes as their own launch, fresh route off
         md.fresh_from = None
         md.split_decodes = case["common"].num_decodes or None
     # forward rewrites the step's K/V at their slots: the same values (build_case), so the cache stays as checked

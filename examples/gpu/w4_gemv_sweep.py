@@ -4,7 +4,7 @@
     python examples/gpu/w4_gemv_sweep.py --dry-run --out /tmp/w4_sweep.json   # CPU, Triton interpreter
 
 Variants: "base" (plugins/quantization/w4a16/gemv.py, split-K summed by a second kernel), the
-TILED_VARIANTS of w4a16_gemv_tiled.py (tile, tile_pf, mant, mant_pf: word tiles in flight, split-K summed in
+TILED_VARIANTS of w4a16/gemv_tiled.py (tile, tile_pf, mant, mant_pf: word tiles in flight, split-K summed in
 the kernel). Shapes qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, GPTQ v1 packing, group
 128, random codes, bf16 activations and scales. (A K-major repacking and a row-wise variant were measured
 slower and removed: docs/perf-notes.md §14.)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterEntrypoint, hookimpl
 
 
 def _load() -> Any:
@@ -17,7 +17,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_entrypoints(register: Any) -> None:
+def register_entrypoints(register: RegisterEntrypoint) -> None:
     register(
         "openai", _load, priority=10, requires=("fastapi", "uvicorn", "zmq", "msgspec", "prometheus_client"),
         description="OpenAI-compatible HTTP server (FastAPI + uvicorn) on an engine-core process",

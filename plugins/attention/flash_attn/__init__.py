@@ -23,7 +23,7 @@ flash_attn pulls in torch and its CUDA extension -- so this module stays light.
 
 Rank (vLLM's order): above FlashInfer on Ampere/Hopper, below it on Blackwell (10.x); below triton when the
 engine captures decode CUDA graphs (priority_for): fa2/fa3 decode eagerly, and fa4, which decodes in graphs
-(flash_attn_backend.py NOTE), measured on the H200 W3 4.31 ms/token and W2 (0.25 scale) 14,116 tok/s against
+(flash_attn/backend.py NOTE), measured on the H200 W3 4.31 ms/token and W2 (0.25 scale) 14,116 tok/s against
 triton's 4.35 and ~15,000 -- its prefill is faster (456 vs 317 TFLOP/s), its decode steps no better.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import AttentionSelectionContext, RegisterAttentionBackend, hookimpl
 
 PRIORITY = 110  # Ampere/Hopper: FlashAttention > FlashInfer (100) > triton (50) > torch (0)
 PRIORITY_BLACKWELL = 90  # compute capability 10.x: FlashInfer first
@@ -129,7 +129,7 @@ def choose(ctx: Any) -> tuple[Variant | None, list[str]]:
     return None, reasons
 
 
-def check(ctx: Any) -> list[str]:
+def check(ctx: AttentionSelectionContext) -> list[str]:
     """Why no FlashAttention library can serve `ctx` (empty: one can; `choose` says which)."""
     variants = installed_variants()
     if not variants:
@@ -152,7 +152,7 @@ def check(ctx: Any) -> list[str]:
     return reasons
 
 
-def priority_for(ctx: Any) -> int:
+def priority_for(ctx: AttentionSelectionContext) -> int:
     """vLLM's per-GPU order: below FlashInfer on Blackwell (10.x), above it elsewhere.
 
     An engine that captures decode CUDA graphs ranks it below triton: fa2/fa3 decode eagerly (launch-bound
@@ -178,7 +178,7 @@ def _description() -> str:
 
 
 @hookimpl
-def register_attention_backends(register: Any) -> None:
+def register_attention_backends(register: RegisterAttentionBackend) -> None:
     register(
         "flash_attn", _load, priority=PRIORITY, check=check, description=_description(),
         priority_for=priority_for,

@@ -8,7 +8,7 @@ on Ampere/Hopper FlashAttention outranks it (the `flash_attn` plugin's priority_
 -- except when the engine will capture decode CUDA graphs: then triton leads (EAGER_PRIORITY, below).
 
 CUDA graphs: the backend replays its pure-decode steps inside the runner's captured graphs, re-planning
-FlashInfer's graph-mode decode wrappers before each replay (flashinfer_backend.py NOTE 3). On the H200
+FlashInfer's graph-mode decode wrappers before each replay (flashinfer/backend.py NOTE 3). On the H200
 (examples/gpu/flashinfer_graph_check.py, docs/benchmarks.md) graph replays equal eager FlashInfer exactly,
 greedy tokens with graphs equal eager, and W3 went 20.9 -> 4.93 ms/token -- but not past triton's graph
 decode (4.87 ms/token; W2 at 0.25 scale 14,994 vs triton's ~15,000), while each replay costs 0.5-0.8 ms of
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import AttentionSelectionContext, RegisterAttentionBackend, hookimpl
 
 # Head sizes FlashInfer's prebuilt and JIT decode/prefill templates cover (vLLM's FlashInfer backend list).
 HEAD_SIZES = (64, 128, 256)
@@ -34,7 +34,7 @@ def _load() -> Any:
     return FlashInferBackend
 
 
-def check(ctx: Any) -> list[str]:
+def check(ctx: AttentionSelectionContext) -> list[str]:
     """Why FlashInfer cannot serve `ctx` (empty: it can). The package itself is checked through `requires`."""
     reasons = []
     if ctx.device_type != "cuda":
@@ -56,14 +56,14 @@ def check(ctx: Any) -> list[str]:
     return reasons
 
 
-def priority_for(ctx: Any) -> int:
+def priority_for(ctx: AttentionSelectionContext) -> int:
     """PRIORITY, except below triton (50) when the engine captures decode CUDA graphs: both then decode in
     graphs, and triton's measured as fast with less host work per step (module docstring)."""
     return EAGER_PRIORITY if ctx.cuda_graphs else PRIORITY
 
 
 @hookimpl
-def register_attention_backends(register: Any) -> None:
+def register_attention_backends(register: RegisterAttentionBackend) -> None:
     register(
         "flashinfer", _load, priority=PRIORITY, requires=("flashinfer",), check=check,
         description="FlashInfer paged decode (tensor cores, in CUDA graphs) + prefill wrappers, planned once per step",

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.api import hookimpl
+from pagedllm.api import AttentionSelectionContext, RegisterAttentionBackend, hookimpl
 
 
 class TritonOptions(BaseModel):
@@ -22,7 +22,7 @@ class TritonOptions(BaseModel):
 
     fresh_prefill: bool = Field(
         True, description="requests with nothing cached before the step (fresh prompts, first chunks) attend "
-        "over the step's own K/V rows with TMA loads (triton_prefill.py) instead of the paged cache; false: "
+        "over the step's own K/V rows with TMA loads (triton/prefill.py) instead of the paged cache; false: "
         "every request through the unified paged kernel (A/B runs)"
     )
     fresh_prefill_min_tokens: int = Field(
@@ -33,17 +33,17 @@ class TritonOptions(BaseModel):
     )
     decode_big_min_seqs: int = Field(
         256, ge=0, description="decode-only steps (one token per request, one segment) of at least this many "
-        "requests use 128-key tiles (triton_tuning NOTE 7: per kernel 1.5-5 % faster on the H200 at 288-512 "
+        "requests use 128-key tiles (triton/tuning.py NOTE 7: per kernel 1.5-5 % faster on the H200 at 288-512 "
         "requests, 13 % slower at 64 x 2048; end to end W2 +0.8 %, W5 +1.3 % with heads first); 0: never"
     )
     decode_heads_first: bool = Field(
-        True, description="decode launches order their programs by request, then KV head (triton_tuning NOTE 8: "
+        True, description="decode launches order their programs by request, then KV head (triton/tuning.py NOTE 8: "
         "1-2.5 % faster decode attention on the H200); false: by KV head, then request (A/B runs)"
     )
 
     split_decodes_min: int = Field(
         0, ge=0, description="a step with prompt tokens and at least this many decodes attends in two launches: "
-        "the decodes with the decode configuration, the rest with its own (triton_backend NOTE 5); 0: one launch. "
+        "the decodes with the decode configuration, the rest with its own (triton/backend.py NOTE 5); 0: one launch. "
         "On the H200 W1 ran 3.3 % slower split at 64 (its wave's attention 1.06 vs 1.05 ms a layer)"
     )
 
@@ -58,7 +58,7 @@ def _load() -> Any:
     return TritonBackend
 
 
-def _check(ctx: Any) -> list[str]:
+def _check(ctx: AttentionSelectionContext) -> list[str]:
     reasons = []
     if ctx.device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         reasons.append(f"device {ctx.device_type}: needs cuda (or TRITON_INTERPRET=1 for the interpreter)")
@@ -77,7 +77,7 @@ def _check(ctx: Any) -> list[str]:
 
 
 @hookimpl
-def register_attention_backends(register: Any) -> None:
+def register_attention_backends(register: RegisterAttentionBackend) -> None:
     # Above torch (0): on a GPU the kernel is the fast path.
     register(
         "triton", _load, priority=50, requires=("triton",), check=_check, config_model=TritonOptions,

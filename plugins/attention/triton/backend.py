@@ -29,7 +29,7 @@ after them, and the segment reduction merges both. W4 on the H200: decode steps 
 ms of GPU, 1.17x end to end (docs/perf-notes.md 7). P = 0 makes the same captured graph a plain step (direct
 output, the merge returns at once). Not used with a sliding window (a window's first key moves).
 
-NOTE 4 (fresh prefills, triton_prefill.py). A request with nothing cached before the step (seq_lens[i] equal
+NOTE 4 (fresh prefills, triton/prefill.py). A request with nothing cached before the step (seq_lens[i] equal
 to its query length: a prompt without a prefix hit, or a chunked prompt's first chunk) has all its keys in the
 step's own key/value tensors, which the fresh-prefill kernel reads as contiguous rows through TMA instead of
 gathering pages. build_metadata finds, from the host copies, the run of such requests that ends the batch
@@ -306,7 +306,7 @@ class TritonBackend:
 
 def _decode_config(num_tokens: int, num_seqs: int, segments: int) -> Any:
     """triton_tuning's entry for the step with the plugin's decode switches applied: DECODE_BIG for a
-    decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs` requests (triton_tuning NOTE 7),
+    decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs` requests (triton/tuning.py NOTE 7),
     the default launch order when `plugins.triton.decode_heads_first` is off (NOTE 8). Host integers only."""
     from pagedllm.plugins.attention.triton.tuning import DECODE_BIG, choose_config
 

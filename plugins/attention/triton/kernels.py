@@ -19,7 +19,7 @@ Unified kernel, one program per (query block, KV head [, KV segment]):
     and sees key p when  p <= ctx + j  and, with a window W,  p > ctx + j - W.
 
 Launch configuration (rows, tile, warps, stages and the switches below) comes from the table in
-triton_tuning.py, chosen by new tokens per request. Switches (constexpr): REVERSE maps program i to query
+triton/tuning.py, chosen by new tokens per request. Switches (constexpr): REVERSE maps program i to query
 block n - 1 - i, so each request's longest causal blocks start first and the grid ends on short ones;
 PACK_GQA=False gives each program BLOCK_M tokens of one query head (grid axis 1 = query heads) instead of
 BLOCK_Q tokens x G heads; K_ROWS loads K as [TILE_N, HEAD] rows and transposes it in the dot;
@@ -27,7 +27,7 @@ HEADS_FIRST swaps grid axes 0 and 1, so that programs launched one after another
 instead of one KV head's requests. In the NHD pages a token's KV heads lie side by side (2 KB a token at
 8 heads x 128 x bf16): in the default order the programs running at once each read 256-byte pieces of many
 pages, with HEADS_FIRST they read the whole rows of fewer pages: 1-2.5 % faster decode on the H200
-(triton_tuning NOTE 8). Grid axis 1 holds at most 65,535 query blocks; a larger grid keeps the default order.
+(triton/tuning.py NOTE 8). Grid axis 1 holds at most 65,535 query blocks; a larger grid keeps the default order.
 
 Keys are read TILE_N at a time; each key's physical block comes from the block table, so TILE_N need not
 equal the page size. Softmax is online (running max m, running sum l) in float32, scores in log2 units
@@ -99,7 +99,7 @@ def softmax_step(s, m_i, qk_scale, USE_SOFTCAP: tl.constexpr):
     Without a soft-cap the raw scores stay unscaled: the row max is scaled once per row (the scale is
     positive) and exp2's argument is one FMA per score, s * qk_scale - m, not a multiply and a subtract. A row
     with nothing visible yet keeps m = -inf and is shifted by 0, so exp2() gives 0, not NaN.
-    Shared by the paged kernel and the fresh-prefill one (triton_prefill.py)."""
+    Shared by the paged kernel and the fresh-prefill one (triton/prefill.py)."""
     if USE_SOFTCAP:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
     else:
@@ -181,7 +181,7 @@ def _unified_attention_kernel(
         qblock, head_axis, num_qblocks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
     else:
         qblock, head_axis, num_qblocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
-    if REVERSE:  # triton_tuning NOTE 2: each request's longest causal query blocks start first
+    if REVERSE:  # triton/tuning.py NOTE 2: each request's longest causal query blocks start first
         qblock = num_qblocks - 1 - qblock
     kv_head = head_axis
     if not PACK_GQA:  # the head axis is the query head; its rows are BLOCK_Q = BLOCK_M tokens of that head

@@ -8,7 +8,7 @@ hit, or the first chunk of a chunked prompt). Its keys are then exactly the rows
 K/V are plain 2-D strided tensors [num_tokens, kv_heads * head] that a TMA descriptor can fetch a
 [TILE_N, HEAD] box at a time, which lets Triton's Hopper pipeliner (and its automatic warp specialization,
 which only partitions descriptor loads) run the loop the way its own fused-attention tutorial does. The
-unified paged kernel (triton_kernels.py) gathers keys page by page through the block table and can do
+unified paged kernel (triton/kernels.py) gathers keys page by page through the block table and can do
 neither (docs/perf-notes.md 10).
 
 Program = (query block, KV head) with packed GQA (rows = BLOCK_Q tokens x the G query heads of one KV head,

@@ -1,4 +1,4 @@
-"""Launch configurations of the unified attention kernel (triton_kernels.py) and the rule that picks one.
+"""Launch configurations of the unified attention kernel (triton/kernels.py) and the rule that picks one.
 
 The table is the only place the defaults live: examples/gpu/prefill_sweep.py measures every entry and its
 neighbours on the H200, and a new default is a one-line edit here.
@@ -7,7 +7,7 @@ Rule (`choose_config`), from host integers only (CUDA-graph safe: a captured dec
 fixed counts): the average number of new tokens per request, T / B.
 
     split-KV                 -> DECODE   rows = BLOCK_Q x G with BLOCK_Q small; memory-bound, the split policy
-                                         (triton_backend NOTE 1) fills the GPU
+                                         (triton/backend.py NOTE 1) fills the GPU
     T / B <= 4               -> DECODE_WIDE  the same rows, 64-key tiles, 2 stages, heads first (NOTES 6, 8;
                                          DECODE_BIG: NOTE 7)
     4 < T / B < 128          -> MIXED    64 rows: prefill chunks next to many decodes, whose one-token blocks
@@ -128,7 +128,7 @@ class FreshPrefillConfig:
 #   warp specialization stays off.
 FRESH_PREFILL = FreshPrefillConfig(rows=64, tile_n=64, num_warps=4, num_stages=3)
 # The backend routes a run of fresh requests to the fresh kernel when its longest has this many new tokens
-# (triton_backend NOTE 4; also the bound below which uniform steps may be graph-captured).
+# (triton/backend.py NOTE 4; also the bound below which uniform steps may be graph-captured).
 FRESH_MIN_QUERY_LEN = 64
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import ExecutorCheckContext, RegisterExecutor, hookimpl
 
 
 def _load() -> Any:
@@ -13,13 +13,13 @@ def _load() -> Any:
     return MultiprocExecutor
 
 
-def _check(parallel: Any) -> list[str]:
+def _check(parallel: ExecutorCheckContext) -> list[str]:
     dp = parallel.data_parallel_size
     return [] if dp == 1 else [f"runs one replica; parallel.data_parallel_size is {dp}"]
 
 
 @hookimpl
-def register_executors(register: Any) -> None:
+def register_executors(register: RegisterExecutor) -> None:
     register(
         "multiproc",
         _load,

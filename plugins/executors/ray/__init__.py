@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterExecutor, hookimpl
 
 
 class RayOptions(BaseModel):
@@ -35,7 +35,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_executors(register: Any) -> None:
+def register_executors(register: RegisterExecutor) -> None:
     register(
         "ray",
         _load,

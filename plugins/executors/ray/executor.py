@@ -1,6 +1,6 @@
 """RayExecutor: tensor-parallel ranks 1..N-1 as Ray actors; rank 0 is the engine core's process.
 
-Placement: inside a data-parallel replica (ray_dp.py) the replica actor sits in bundle 0 of its replica's
+Placement: inside a data-parallel replica (ray/data_parallel.py) the replica actor sits in bundle 0 of its replica's
 placement group and the ranks take bundles 1..N-1, so a replica's ranks are reserved together and a
 replica's failure stays inside its group. Anywhere else the executor reserves its own group of N-1 bundles.
 PACK keeps the ranks on one node when one has room (NVLink / loopback); the rendezvous address is rank 0's

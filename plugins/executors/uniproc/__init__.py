@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import ExecutorCheckContext, RegisterExecutor, hookimpl
 
 
 def _load() -> Any:
@@ -13,7 +13,7 @@ def _load() -> Any:
     return UniprocExecutor
 
 
-def _check(parallel: Any) -> list[str]:
+def _check(parallel: ExecutorCheckContext) -> list[str]:
     reasons = []
     if parallel.tensor_parallel_size != 1:
         reasons.append(f"runs one rank; parallel.tensor_parallel_size is {parallel.tensor_parallel_size}")
@@ -23,5 +23,5 @@ def _check(parallel: Any) -> list[str]:
 
 
 @hookimpl
-def register_executors(register: Any) -> None:
+def register_executors(register: RegisterExecutor) -> None:
     register("uniproc", _load, priority=10, check=_check, description="one rank, in the engine core's process")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterKVManager, hookimpl
 
 
 def _load() -> Any:
@@ -14,7 +14,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_kv_managers(register: Any) -> None:
+def register_kv_managers(register: RegisterKVManager) -> None:
     from pagedllm.api import SlidingWindowSpec
 
     register(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterLoader, hookimpl
 
 
 def _load() -> Any:
@@ -14,6 +14,6 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_loaders(register: Any) -> None:
+def register_loaders(register: RegisterLoader) -> None:
     # explicit_only: random weights must never be chosen silently (loader: dummy / --load-format dummy).
     register("dummy", _load, priority=-100, explicit_only=True, description="random weights from a config folder")

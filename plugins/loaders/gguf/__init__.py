@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import LoaderCheckContext, RegisterLoader, hookimpl
 
 
 def _load() -> Any:
@@ -14,7 +14,7 @@ def _load() -> Any:
     return GGUFLoader
 
 
-def _check(model: str) -> list[str]:
+def _check(model: LoaderCheckContext) -> list[str]:
     if not model.endswith(".gguf"):
         return [f"'{model}' is not a .gguf file"]
     if not os.path.isfile(model):
@@ -23,5 +23,5 @@ def _check(model: str) -> list[str]:
 
 
 @hookimpl
-def register_loaders(register: Any) -> None:
+def register_loaders(register: RegisterLoader) -> None:
     register("gguf", _load, priority=10, requires=("gguf",), check=_check, description="GGUF file (kept quantized on the CPU, else dequantized at load)")

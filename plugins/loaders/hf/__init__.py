@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import LoaderCheckContext, RegisterLoader, hookimpl
 
 
 def _load() -> Any:
@@ -14,7 +14,7 @@ def _load() -> Any:
     return HFLoader
 
 
-def _check(model: str) -> list[str]:
+def _check(model: LoaderCheckContext) -> list[str]:
     if not os.path.isdir(model):
         return [f"'{model}' is not a directory"]
     if not os.path.isfile(os.path.join(model, "config.json")):
@@ -23,5 +23,5 @@ def _check(model: str) -> list[str]:
 
 
 @hookimpl
-def register_loaders(register: Any) -> None:
+def register_loaders(register: RegisterLoader) -> None:
     register("hf", _load, priority=10, check=_check, description="HF folder with config.json and safetensors")

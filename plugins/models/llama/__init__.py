@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterModel, hookimpl
 
 
 def _load() -> Any:
@@ -14,6 +14,6 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_models(register: Any) -> None:
+def register_models(register: RegisterModel) -> None:
     register("LlamaForCausalLM", _load, description="Llama 2/3, SmolLM2")
     register("MistralForCausalLM", _load, description="Mistral (sliding window when every layer has one)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterModel, hookimpl
 
 
 def _load() -> Any:
@@ -14,5 +14,5 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_models(register: Any) -> None:
+def register_models(register: RegisterModel) -> None:
     register("Gemma2ForCausalLM", _load, description="Gemma 2 (local/global layers, soft-capping)")

@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _cpu_decode_plan(self) -> Any:
-        """The one-token CPU decode as pre-bound C calls (llama_cpu_decode.py), or None where it does not apply.
+        """The one-token CPU decode as pre-bound C calls (llama/cpu_decode.py), or None where it does not apply.
 
         Built on first use after the engine switched the C kernels on, and again if it switches them (NOTE 1
         there); the per-step cost of asking is a dict lookup and an identity check.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterModel, hookimpl
 
 
 def _load_mamba() -> Any:
@@ -20,6 +20,6 @@ def _load_mamba2() -> Any:
 
 
 @hookimpl
-def register_models(register: Any) -> None:
+def register_models(register: RegisterModel) -> None:
     register("MambaForCausalLM", _load_mamba, description="Mamba-1 (selective SSM; one state per request)")
     register("Mamba2ForCausalLM", _load_mamba2, description="Mamba-2 (SSD; one state per request)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterModel, hookimpl
 
 
 def _load() -> Any:
@@ -14,5 +14,5 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_models(register: Any) -> None:
+def register_models(register: RegisterModel) -> None:
     register("BambaForCausalLM", _load, description="Bamba: Mamba-2 + attention hybrid (two KV-cache groups)")

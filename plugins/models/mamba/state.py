@@ -2,7 +2,7 @@
 whether its state is fresh -- all read from the attention metadata the model runner already builds.
 
     request i, rows qsl[i] : qsl[i+1] (query_len = qsl[i+1] - qsl[i]), context seq_lens[i] after the step
-    state slot        = block_table[i][0]          the Mamba manager's one real block (mamba_manager.py)
+    state slot        = block_table[i][0]          the Mamba manager's one real block (mamba/manager.py)
     has initial state = seq_lens[i] - query_len > 0 some tokens were computed before this step, so the
                                                     slot holds their state; else start from zeros
     decodes           = the leading num_decodes requests (one row each); prefills (and prefill chunks) after

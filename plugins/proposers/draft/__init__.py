@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import ProposerCheckContext, RegisterProposer, hookimpl
 
 
 def _load() -> Any:
@@ -13,7 +13,7 @@ def _load() -> Any:
     return DraftModelProposer
 
 
-def _check(spec: Any) -> list[str]:
+def _check(spec: ProposerCheckContext) -> list[str]:
     """The draft model must be named (speculative.draft_model); everything else is checked when building."""
     if not getattr(spec, "draft_model", None):
         return ["speculative.draft_model is not set (the folder of a smaller model sharing the tokenizer)"]
@@ -21,7 +21,7 @@ def _check(spec: Any) -> list[str]:
 
 
 @hookimpl
-def register_proposers(register: Any) -> None:
+def register_proposers(register: RegisterProposer) -> None:
     register(
         "draft",
         _load,

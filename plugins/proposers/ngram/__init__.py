@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterProposer, hookimpl
 
 
 def _load() -> Any:
@@ -14,7 +14,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_proposers(register: Any) -> None:
+def register_proposers(register: RegisterProposer) -> None:
     register(
         "ngram",
         _load,

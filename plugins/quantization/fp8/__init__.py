@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import QuantizationCheckContext, RegisterQuantizationMethod, hookimpl
 
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
-def fp8_reasons(qc: dict[str, Any] | None) -> list[str]:
+def fp8_reasons(qc: QuantizationCheckContext) -> list[str]:
     """Why a checkpoint cannot be served by `fp8` (empty: it can). No quantization_config: quantize on load."""
     if not qc:
         return []
@@ -37,7 +37,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_quantization_methods(register: Any) -> None:
+def register_quantization_methods(register: RegisterQuantizationMethod) -> None:
     register(
         "fp8",
         _load,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import QuantizationCheckContext, RegisterQuantizationMethod, hookimpl
 
 
 def _args_reasons(where: str, args: Any, strategies: tuple[str, ...]) -> list[str]:
@@ -26,7 +26,7 @@ def _args_reasons(where: str, args: Any, strategies: tuple[str, ...]) -> list[st
     return reasons
 
 
-def compressed_tensors_reasons(qc: dict[str, Any] | None) -> list[str]:
+def compressed_tensors_reasons(qc: QuantizationCheckContext) -> list[str]:
     """Why a quantization_config cannot be served by `compressed-tensors` (empty: it can)."""
     if not qc:
         return ["compressed-tensors needs a checkpoint made by it (config.json has no quantization_config)"]
@@ -67,7 +67,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_quantization_methods(register: Any) -> None:
+def register_quantization_methods(register: RegisterQuantizationMethod) -> None:
     register(
         "compressed-tensors",
         _load,

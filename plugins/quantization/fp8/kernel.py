@@ -3,7 +3,7 @@
     dynamic:  a[m] = max(max_k |x[m, k]| / 448, 1e-12),   x_q[m, k] = e4m3(clamp(x[m, k] / a[m], +-448))
     static:   a[m] = the checkpoint's input scale,         x_q as above
 
-the torch code in fp8_method.py (quantize_activations_torch), bit for bit: the same float32 divisions
+the torch code in fp8/method.py (quantize_activations_torch), bit for bit: the same float32 divisions
 (IEEE-rounded: div_rn, not the approximate division `/` compiles to), the same clamp, round to nearest even.
 One program per row: the row is read once into registers (up to MAX_SINGLE_PASS elements; longer rows are
 read twice, the second time from L2), its absmax reduced, then quantized and written with its scale. That is

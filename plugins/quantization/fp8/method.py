@@ -7,7 +7,7 @@
     apply, CUDA with compute capability >= 8.9 and activations quantized:
         x_q = fp8(x / a),  y = torch._scaled_mm(x_q, W_q^T, scale_a=a [M, 1], scale_b=row scale [1, N])
         a = per-token max|x| / 448 (dynamic) or the static input scale; x_q and a in one Triton pass
-        (fp8_kernel.py), bit-identical to quantize_activations_torch
+        (fp8/kernel.py), bit-identical to quantize_activations_torch
     apply, anywhere else (CPU, Ampere, weight-only checkpoints):
         y = x @ (W_q * row scale)^T, dequantized per call: weights stay 1 byte, activations unquantized (W8A16)
 """

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterQuantizationMethod, hookimpl
 
 
 class GGUFOptions(BaseModel):
@@ -39,7 +39,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_quantization_methods(register: Any) -> None:
+def register_quantization_methods(register: RegisterQuantizationMethod) -> None:
     register(
         "gguf",
         _load,

@@ -1,6 +1,6 @@
 """A block-wise decode GEMV for GGUF's 32-weight types Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (y = x @ W^T, M <= 4).
 
-gguf_triton.py's GEMV evaluates one weight per tile element (its NOTE 1: ~2 loads and ~13 SASS per weight);
+gguf/triton_gemm.py's GEMV evaluates one weight per tile element (its NOTE 1: ~2 loads and ~13 SASS per weight);
 this one gives a thread whole blocks. The weight is the file's uint8 [N, bytes per row], read as 16-bit words:
 every block size (18, 20, 22, 24, 34 B), field offset and row stride is even, so word w of block b of row n
 is at int16 index n * stride / 2 + b * TS / 2 + w, aligned, for every type (4-byte words would be misaligned
@@ -40,7 +40,7 @@ ORed into 2^23's exponent is one LOP3, and the float is 16^t q exactly (q <= 31,
 code's offset is scaled by 16^t and x by 16^-t (a power of two: exact; one FMUL per x value, shared by the
 thread's BLOCK_N rows). Per weight: LOP3, FADD, FFMA. Q8_0's high byte likewise (x by 1/256).
 NOTE 5 (constants as arguments): as immediates, ptxas rematerialised the masks and the exponent with a MOV or
-HFMA2 before most LOP3s (as w4a16_gemv_tiled.py NOTE 2 found); as kernel arguments they stay in registers.
+HFMA2 before most LOP3s (as w4a16/gemv_tiled.py NOTE 2 found); as kernel arguments they stay in registers.
 NOTE 6 (sm_90a compile, block_tiles' defaults, bf16 x; SASS per weight of one step = the difference of
 BLOCK_B = 64 and 32 builds): Q4_0 3.8 / 5.75 / 10.75 at M = 1 / 2 / 4 (64 / 96 / 96 registers), Q4_1 4.75 /
 5.9 (80 / 168), Q8_0 5.2 / 6.75 / 12.1 (72 / 96 / 128), Q5_0 and Q5_1 ~8 at M = 1 (128: the qh bit moves);

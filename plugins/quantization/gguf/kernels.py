@@ -8,7 +8,7 @@ embedding and LM head share one quantized copy):
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
-    TritonKernel      CUDA, Q4_0 .. Q8_0 and Q2_K .. Q6_K: the file's blocks read by gguf_triton.py's kernels
+    TritonKernel      CUDA, Q4_0 .. Q8_0 and Q2_K .. Q6_K: the file's blocks read by gguf/triton_gemm.py's kernels
                       (a GEMV for <= 8 rows, else dequantize to a scratch matrix + cuBLAS): `quantization: gguf`
                       on CUDA
     DequantKernel     any type: blocks kept, dequantized per call (optionally cached once as float)
@@ -190,7 +190,7 @@ class GroupInt8Kernel(nn.Module):
 
 
 class TritonKernel(nn.Module):
-    """The GGUF blocks as stored in the file (uint8 [N, bytes per row] on the GPU), run by gguf_triton.py."""
+    """The GGUF blocks as stored in the file (uint8 [N, bytes per row] on the GPU), run by gguf/triton_gemm.py."""
 
     blocks: torch.Tensor
 

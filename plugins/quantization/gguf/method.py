@@ -3,7 +3,7 @@
 The block type of each weight is known only when its tensor arrives (a fused qkv may mix Q4_K and Q6_K, as
 llama.cpp's "_M" mixes do), so a layer's parameter is a placeholder that collects one `GGUFBlocks` per fused
 piece; after loading, consecutive pieces of one type are joined and each run gets a kernel
-(`gguf_kernels.py`). The loader sends blocks only when the model's layers use this method; otherwise it
+(`gguf/kernels.py`). The loader sends blocks only when the model's layers use this method; otherwise it
 dequantizes at load as before (`quantization: none`). With tensor parallelism each rank keeps its slice of
 every piece in blocks (`_rank_slice`): rows for column-parallel pieces and the vocabulary, whole blocks of
 columns for row-parallel layers (a split that is not on a block boundary is refused with the reason).
@@ -21,7 +21,7 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                                     every matrix gets random blocks of this type (gguf_blocks.random_blocks),
                                     drawn on the model's device
 
-On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf_triton.py (TritonKernel); any other
+On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf/triton_gemm.py (TritonKernel); any other
 type, or no Triton, falls back to a per-call dequantization, and the reason is logged once per type and kept
 on the kernel (`fallback_reason`).
 """
@@ -61,7 +61,7 @@ logger = logging.getLogger("pagedllm")
 _EMBEDDING_MODES = ("keep", "int4")
 _CPU_KERNELS = ("auto", "native", "aten")
 NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what gguf_cpu.c decodes
-# What gguf_triton.py decodes (its TRITON_TYPES; kept here so choosing a kernel does not import triton).
+# What gguf/triton_gemm.py decodes (its TRITON_TYPES; kept here so choosing a kernel does not import triton).
 TRITON_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _logged_fallbacks: set[str] = set()
 

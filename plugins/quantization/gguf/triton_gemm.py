@@ -1,6 +1,6 @@
 """Triton kernels that read GGUF blocks as the file stores them: a decode GEMV and a dequantize-to-scratch pass.
 
-The weight stays a uint8 [N, bytes per row] tensor in ggml's block layout (gguf_blocks.py draws the 32-weight
+The weight stays a uint8 [N, bytes per row] tensor in ggml's block layout (formats/gguf_blocks.py draws the 32-weight
 types; the K-quants are super-blocks of 256 weights, laid out as ggml-common.h / gguf-py's quants.py). Nothing
 is repacked, so the resident bytes are the file's. Both kernels evaluate one weight per tile element with
 `_weights` below, from its column c: the block b = c // QK, the index i = c % QK, and the block's fields:
@@ -36,7 +36,7 @@ NOTE 1 (why element-wise): one code path for ten formats, checked bit for bit ag
 interpreter. The cost is redundant loads: a Q4_0 weight reads its block's d (a 2-byte load, L1-resident after
 the first) and a nibble byte shared with one neighbour, ~2 loads per weight where a block-wise kernel needs
 ~0.3. Decode is then load-instruction bound, not DRAM bound (docs/perf-notes.md §8 predicts by how much).
-The block-wise GEMV (gguf_block_gemv.py: 16-bit words, a thread per block, split-K) now takes Q4_0, Q4_1,
+The block-wise GEMV (gguf/block_gemv.py: 16-bit words, a thread per block, split-K) now takes Q4_0, Q4_1,
 Q5_0, Q5_1 and Q8_0 at M <= 4 (BLOCK_GEMV); this kernel keeps the K-quants, M = 5..8 and the fallback.
 NOTE 2: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
 NOTE 3 (GEMV accumulators): each activation row keeps a [BLOCK_N, BLOCK_K] float32 accumulator, reduced across
@@ -56,7 +56,7 @@ import triton.language as tl
 from pagedllm.plugins.quantization.gguf.block_gemv import block_reason, gguf_block_gemv
 
 GEMV_MAX_M = 8  # up to this many activation rows take the GEMV; more dequantize to scratch + cuBLAS
-BLOCK_GEMV = True  # the 32-weight types at M <= 4 take gguf_block_gemv.py's kernel (NOTE 1); False: element-wise
+BLOCK_GEMV = True  # the 32-weight types at M <= 4 take gguf/block_gemv.py's kernel (NOTE 1); False: element-wise
 # ggml type id -> (weights per block, bytes per block): the types these kernels decode.
 TRITON_TYPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
                 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
@@ -241,7 +241,7 @@ def gguf_gemv(
 ) -> torch.Tensor:
     """y [M, n] = x [M, K] @ W^T for M <= GEMV_MAX_M, in x's dtype (float32 accumulation).
 
-    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at M <= 4 take the block-wise GEMV (gguf_block_gemv.py) when BLOCK_GEMV is
+    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 at M <= 4 take the block-wise GEMV (gguf/block_gemv.py) when BLOCK_GEMV is
     on; everything else, and any call with `tiles` (BLOCK_N, BLOCK_K, warps: overrides gemv_blocks, for the
     H200 sweep and the tests), the element-wise kernel here."""
     m, k = x.shape

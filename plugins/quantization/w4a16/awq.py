@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import QuantizationCheckContext, RegisterQuantizationMethod, hookimpl
 
 
-def awq_reasons(qc: dict[str, Any] | None) -> list[str]:
+def awq_reasons(qc: QuantizationCheckContext) -> list[str]:
     """Why a quantization_config cannot be served by `awq` (empty: it can)."""
     if not qc:
         return ["awq needs an AWQ checkpoint (config.json has no quantization_config)"]
@@ -40,7 +40,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_quantization_methods(register: Any) -> None:
+def register_quantization_methods(register: RegisterQuantizationMethod) -> None:
     register(
         "awq",
         _load,

@@ -4,7 +4,7 @@
     y[M, N]   = x[M, K] @ W^T                              torch.matmul: cuBLAS on the tensor cores
 
 For a prefill or a large batch the product is bound by its FLOPs, which cuBLAS runs at the bf16 rate; the
-in-register dequantizing GEMM (w4a16_kernel.py) spends its issue slots on unpacking and reached only a
+in-register dequantizing GEMM (w4a16/kernel.py) spends its issue slots on unpacking and reached only a
 quarter of that on the H200 (docs/benchmarks.md). The scratch costs a fixed ~0.5 + 2 bytes per weight of
 traffic per call (read the codes, write 16 bits) and 2 bytes per weight of transient memory; from a few
 hundred rows on that is small beside the GEMM. vLLM's AWQ layer and exllama's reconstruct path do the same.

@@ -34,7 +34,7 @@ about eight programs per SM are in flight, at most one split per 64 * M inputs (
 well under the weight's bytes, and in L2). Starting points for the H200 sweep in
 examples/gpu/quant_bench.py; `blocks=` overrides them.
 NOTE 4: act-order weights whose groups are not contiguous (g_idx kept after load) go to the GEMM, which
-gathers zeros and scales per input; after the load-time sort (w4a16_method.py) that case is rare.
+gathers zeros and scales per input; after the load-time sort (w4a16/method.py) that case is rare.
 NOTE 5: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
 """
 
@@ -55,7 +55,7 @@ GEMV_MAX_M = 8  # the dispatcher (w4a16_kernel.w4a16_matmul) sends up to this ma
 # "mant", "mant_pf"), which fall back here for what they refuse (tiled_reason). Picked from the H200 sweep,
 # examples/gpu/w4_gemv_sweep.py (2026-11-29: mant 60.7 us per 8B layer at M = 1 = 1.94x bf16, base 94.1).
 GEMV_VARIANT = "mma"
-# "mma" (w4a16_mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses or
+# "mma" (w4a16/mma.py, tensor cores, CUDA C through NVRTC) falls back to "mant" where mma_reason refuses or
 # NVRTC is missing. H200 per 8B layer (docs/benchmarks.md, tenth pass, 2026-11-30 08:31 UTC): M = 1 43.3 vs mant
 # 53.5 µs, M = 2 43.6, M = 4 45.2, M = 8 49.4 (mant: 79.0 at 2, 130.7 at 4, ninth pass); GPTQ W3 2.34 ms.
 GEMV_VARIANTS = ("mma", "mant", "mant_pf", "tile", "tile_pf", "base")

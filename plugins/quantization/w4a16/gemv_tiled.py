@@ -1,11 +1,11 @@
 """Decode GEMV variants for GPTQ-ordered packed weights: word tiles in flight, split-K summed in the kernel.
 
-Same product and layout as w4a16_gemv.py (y[M, N] = x[M, K] @ W^T[K, N], qweight [K / pf, N] int32), for
+Same product and layout as w4a16/gemv.py (y[M, N] = x[M, K] @ W^T[K, N], qweight [K / pf, N] int32), for
 M <= TILED_MAX_M. The H200 ran the first GEMV at 0.9-1.8 TB/s of weight (docs/perf-notes.md §5a); these
 variants go after the three causes found by compiling for sm_90 on the CPU:
 
     variant        words per thread in flight      dequantization per code             split-K sum
-    base           (w4a16_gemv.py) ptxas' choice   SHF, LOP3, FADD (exp), FFMA         second kernel
+    base           (w4a16/gemv.py) ptxas' choice   SHF, LOP3, FADD (exp), FFMA         second kernel
     tile           BLOCK_K / pf  (one 2-D load)    SHF, LOP3, FADD (exp), FFMA         last program
     tile_pf        2 x BLOCK_K / pf (next step     as tile                             last program
                    loaded before this one's math)
@@ -101,7 +101,7 @@ def _fma_pair(p, x_step, xo, stride_xm, J: tl.constexpr, ROW: tl.constexpr, X_BF
 @triton.jit
 def _step_exp(a0, a1, a2, a3, words, zb, s, x_step, stride_xm, xo, code_mask,
               BITS: tl.constexpr, ROWS: tl.constexpr, X_BF16: tl.constexpr):
-    """One step with the exponent-trick codes (w4a16_gemv NOTE 1); codes j, j + 1 share an x load.
+    """One step with the exponent-trick codes (w4a16/gemv.py NOTE 1); codes j, j + 1 share an x load.
 
     The partial sums stay [R, BLOCK_N] (one FFMA per code and row) and are summed over R once per step
     (a tl.sum per code would compile to FMUL + FADD trees).

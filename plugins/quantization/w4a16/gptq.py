@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import QuantizationCheckContext, RegisterQuantizationMethod, hookimpl
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
-def gptq_reasons(qc: dict[str, Any] | None) -> list[str]:
+def gptq_reasons(qc: QuantizationCheckContext) -> list[str]:
     """Why a quantization_config cannot be served by `gptq` (empty: it can)."""
     if not qc:
         return ["gptq needs a GPTQ checkpoint (config.json has no quantization_config)"]
@@ -43,7 +43,7 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_quantization_methods(register: Any) -> None:
+def register_quantization_methods(register: RegisterQuantizationMethod) -> None:
     register(
         "gptq",
         _load,

@@ -20,13 +20,13 @@ cast to the activation dtype afterwards (summation order, so the last bits, may 
 NOTE 4: under TRITON_INTERPRET=1 (the CPU tests) only float32 / float16 math is right; bfloat16 is not.
 NOTE 5: w4a16_matmul picks the kernel by rows:
 
-    M <= GEMV_MAX_M (8)          the GEMV, w4a16_gemv.py: this GEMM pads M to 16 rows for tl.dot and reads far
+    M <= GEMV_MAX_M (8)          the GEMV, w4a16/gemv.py: this GEMM pads M to 16 rows for tl.dot and reads far
                                  below the 4-bit stream's bandwidth there (docs/benchmarks.md)
-    8 < M <= 16, 4-bit           the tensor-core GEMV (w4a16_mma.py) once per 8 rows where it runs: on the
+    8 < M <= 16, 4-bit           the tensor-core GEMV (w4a16/mma.py) once per 8 rows where it runs: on the
                                  H200 an 8B layer at 16 rows is 97.8 us against this GEMM's 181.9 (its tile
                                  pads to 16 rows; examples/gpu/w4_mma_check.py, docs/benchmarks.md tenth pass)
     8 < M < DEQUANT_MIN_M (128)  this GEMM
-    M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16_dequant.py: at 2048 rows this
+    M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16/dequant.py: at 2048 rows this
                                  GEMM is 4.2x bf16's time (the unpacking competes with tl.dot for issue slots)
 """
 

@@ -16,7 +16,7 @@ GPTQ (AutoGPTQ `QuantLinear.pack`), 2/4/8 bits, pf = 32 / bits values per word:
     g_idx   [K] int32: the group of each input (k // G, or a permutation's groups with desc_act / act-order)
     checkpoint_format "gptq" (v1) stores z - 1 in qzeros; "gptq_v2" stores z itself
 
-This module is the reference for the kernels (w4a16_kernel.py) and the CPU path: plain torch, no Triton.
+This module is the reference for the kernels (w4a16/kernel.py) and the CPU path: plain torch, no Triton.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def awq_to_gptq(
     """AWQ GEMM tensors -> the same codes in the GPTQ v2 packing: (layout, qweight [K/8, N], qzeros [G, N/8]).
 
     The bytes per weight do not change; inputs are packed along K instead of outputs along N, which lets the
-    decode GEMV (w4a16_gemv.py) load one word row per eight inputs and keep the reduction over K in-thread.
+    decode GEMV (w4a16/gemv.py) load one word row per eight inputs and keep the reduction over K in-thread.
     Done `rows_per_chunk` inputs at a time so the unpacked int64 codes never hold a whole layer.
     """
     assert layout.kind == "awq" and layout.bits == 4, layout

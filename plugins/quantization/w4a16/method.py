@@ -1,13 +1,13 @@
 """The linear method shared by AWQ and GPTQ: the checkpoint's packed tensors stay resident as they are.
 
 Parameters carry the checkpoint's names (`qweight`, `qzeros`, `scales`, GPTQ's `g_idx`) and layout (see
-w4a16_layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor` attributes let the layer's
+w4a16/layout.py); their `output_dim` / `input_dim` / `packed_dim` / `pack_factor` attributes let the layer's
 loader place fused pieces and tensor-parallel shards without knowing the format.
 
     after loading   AWQ's codes are repacked into the GPTQ order (same bytes); act-order inputs are sorted
-    apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16_gemv.py), the GEMM
-                    (w4a16_kernel.py) up to 127 rows; from 128 rows the weight is dequantized into a per-call
-                    16-bit scratch and cuBLAS multiplies (w4a16_dequant.py)
+    apply on CUDA   Triton kernels dequantize in registers: a GEMV for <= 8 rows (w4a16/gemv.py), the GEMM
+                    (w4a16/kernel.py) up to 127 rows; from 128 rows the weight is dequantized into a per-call
+                    16-bit scratch and cuBLAS multiplies (w4a16/dequant.py)
     apply elsewhere dequantize-then-matmul in torch, per call: the weight stays 4-bit (2/8-bit) in memory
     apply_act_and_mul  a fused [gate | up] layer at decode: the tensor-core GEMV forms silu(gate) * up in its
                     epilogue (w4a16_mma.cu NOTE 5), one launch and one [M, 2I] round trip fewer per layer

@@ -1,6 +1,6 @@
 """W4A16 decode GEMV on tensor cores (w4a16_mma.cu), for M <= 8 activation rows of GPTQ-ordered 4-bit weights.
 
-The Triton GEMVs (w4a16_gemv.py, w4a16_gemv_tiled.py) spend one FP32 FMA per code and activation row plus the
+The Triton GEMVs (w4a16/gemv.py, w4a16/gemv_tiled.py) spend one FP32 FMA per code and activation row plus the
 unpacking (3.44 SASS instructions per code for the best of them, `mant`). Here a code pair comes out of a
 shifted word in one LOP3 and goes straight into an mma.m16n8k16 fragment, whose eight columns take up to eight
 activation rows at nearly the cost of one; the zero point and the scale are applied to the fp32 sums once per
@@ -240,7 +240,7 @@ def w4a16_mma_rows(
     scales: torch.Tensor,
     n: int,
 ) -> torch.Tensor:
-    """w4a16_mma_gemv over any number of rows, MMA_MAX_M at a time, into one output (w4a16_kernel NOTE 5 sends
+    """w4a16_mma_gemv over any number of rows, MMA_MAX_M at a time, into one output (w4a16/kernel.py NOTE 5 sends
     9..16 rows here: each launch costs about what one row does)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)

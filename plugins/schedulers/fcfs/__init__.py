@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.api import hookimpl
+from pagedllm.api import RegisterScheduler, hookimpl
 
 
 def _load() -> Any:
@@ -14,5 +14,5 @@ def _load() -> Any:
 
 
 @hookimpl
-def register_schedulers(register: Any) -> None:
+def register_schedulers(register: RegisterScheduler) -> None:
     register("fcfs", _load, description="first come first served continuous batching with chunked prefill")
