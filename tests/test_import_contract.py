@@ -64,9 +64,9 @@ def test_no_plugin_imports_the_root_package() -> None:
     offenders = []
     for path in (ROOT / "plugins").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "pagedllm" and not node.level:
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-            elif isinstance(node, ast.Import) and any(a.name == "pagedllm" for a in node.names):
+            from_root = isinstance(node, ast.ImportFrom) and node.module == "pagedllm" and not node.level
+            root = isinstance(node, ast.Import) and any(a.name == "pagedllm" for a in node.names)
+            if from_root or root:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"import from pagedllm.api instead: {offenders}"
 
