@@ -3,9 +3,10 @@
 Failure policy (STYLE.md): a plugin that fails to import or register is skipped with a warning and shown as
 broken by `pagedllm plugins`; when the config explicitly asks for one of its components, the selector raises
 with the plugin and distribution named. A plugin whose `PAGEDLLM_PLUGIN_API` range excludes
-`pagedllm.PLUGIN_API_VERSION` is imported (to read the declaration) but never registered: it is skipped with
-a warning naming both versions and shown as "incompatible". `PAGEDLLM_PLUGINS` (comma-separated entry-point
-or distribution names) is an allow-list for third-party plugins; pagedllm's own plugins always load.
+`pagedllm.API_VERSION` (integer clauses compare its major, `PLUGIN_API_VERSION`) is imported (to read the
+declaration) but never registered: it is skipped with a warning naming both versions and shown as
+"incompatible". `PAGEDLLM_PLUGINS` (comma-separated entry-point or distribution names) is an allow-list for
+third-party plugins; pagedllm's own plugins always load.
 
 Duplicate names (docs/plugins/README.md, "Name clashes"): plugins register in a fixed order — pagedllm's own
 first, then third-party entry points sorted by (distribution name, group, entry-point name), never by
@@ -28,7 +29,7 @@ from typing import Any
 
 import pluggy
 
-from pagedllm import PLUGIN_API_VERSION, hookspecs
+from pagedllm import API_VERSION, hookspecs
 from pagedllm.plugin_api import incompatibility
 from pagedllm.plugin_spec import ComponentSpec, PluginKind, PluginLoadError
 
@@ -159,7 +160,7 @@ class PluginManager:
             return
         try:
             module = ep.load()
-            why = incompatibility(module, PLUGIN_API_VERSION)
+            why = incompatibility(module, API_VERSION)
             if why is not None:
                 record.status = "incompatible"
                 record.error = why
@@ -228,7 +229,11 @@ class PluginManager:
 
 
 class _Registrar:
-    """The `register(...)` callable handed to one plugin's registration hook."""
+    """The `register(...)` callable handed to one plugin's registration hook.
+
+    Its signature is what the `Register*` protocols of pagedllm.hookspecs type per kind (the keyword arguments
+    they name past `description` arrive here in `meta`).
+    """
 
     def __init__(
         self, kind: PluginKind, plugin: str, dist: str, version: str, into: dict[str, ComponentSpec]

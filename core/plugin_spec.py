@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
+import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 
 class PluginKind(enum.StrEnum):
@@ -54,20 +57,75 @@ _GROUPS = {
     PluginKind.PROPOSER: "pagedllm.proposers",
     PluginKind.EXECUTOR: "pagedllm.executors",
 }
-# A light structural check at resolve time (STYLE.md failure policy): the names each kind's `load()` result
-# must carry, so a registration whose load() gives the wrong thing fails when resolved, naming its plugin and
-# distribution, instead of deep inside the engine. Models and quantization configs are checked by building.
-_REQUIRED: dict[PluginKind, tuple[str, ...]] = {
-    PluginKind.ATTENTION: ("kv_cache_shape", "build_metadata", "make_impl"),
-    PluginKind.SCHEDULER: ("add_request", "schedule", "update_from_output", "finish_requests",
-                           "has_unfinished_requests", "get_stats"),
-    PluginKind.LOADER: ("load_info", "load_weights"),
-    PluginKind.KV_MANAGER: ("allocate_new_blocks", "free", "get_blocks"),
-    PluginKind.LOGITS_PROCESSOR: ("apply",),
-    PluginKind.PROPOSER: ("propose", "remove_requests"),
-    PluginKind.ENTRYPOINT: ("__call__",),
-    PluginKind.EXECUTOR: ("start", "bind", "execute_model", "check_health", "shutdown"),
+# A light structural check at resolve time (STYLE.md failure policy): the object each kind's `load()` returns
+# must carry its protocol's required members (`required_members`), so a registration whose load() gives the
+# wrong thing fails when resolved, naming its plugin and distribution, instead of deep inside the engine.
+# Models and quantization configs are checked by building. Named here, imported at resolve time: the protocol
+# modules import torch (resolve() runs after load(), when it is imported anyway) and this module stays light.
+_PROTOCOLS: dict[PluginKind, str] = {
+    PluginKind.ATTENTION: "pagedllm.protocols.attention:AttentionBackend",
+    PluginKind.SCHEDULER: "pagedllm.protocols.scheduler:Scheduler",
+    PluginKind.LOADER: "pagedllm.protocols.loader:ModelLoader",
+    PluginKind.KV_MANAGER: "pagedllm.protocols.kv_manager:SingleTypeKVCacheManager",
+    PluginKind.LOGITS_PROCESSOR: "pagedllm.sample.logits_processor:LogitsProcessor",
+    PluginKind.PROPOSER: "pagedllm.spec_decode.proposer:Proposer",
+    PluginKind.ENTRYPOINT: "pagedllm.protocols.entrypoint:Entrypoint",
+    PluginKind.EXECUTOR: "pagedllm.protocols.executor:Executor",
 }
+_OPTIONAL = "__pagedllm_optional__"
+_F = TypeVar("_F")
+
+
+def optional(member: _F) -> _F:
+    """Mark a protocol method optional: not among its `required_members`, so a component may lack it.
+
+    Apply it to the function (above or below `@staticmethod`) and say in its docstring what the engine does
+    without it.
+    """
+    setattr(member, _OPTIONAL, True)
+    return member
+
+
+def required_members(protocol: type) -> tuple[str, ...]:
+    """The members a component satisfying `protocol` must have, in definition order (base protocols first).
+
+    Those are the methods (plain, static or class methods) defined on the protocol class and its protocol
+    bases, except private names and dunders (`__call__` counts: it is what a callable protocol requires) and
+    methods marked `@optional`. Data members and properties are left out: a class provides them only once
+    instantiated, and the check looks at what `load()` returns, usually a class.
+    """
+    names: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls.__module__ in ("typing", "typing_extensions"):  # Protocol, Generic
+            continue
+        for name, value in vars(cls).items():
+            if name.startswith("_") and name != "__call__":
+                continue
+            func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if not inspect.isfunction(func):
+                continue
+            if getattr(value, _OPTIONAL, False) or getattr(func, _OPTIONAL, False):
+                names.pop(name, None)
+            else:
+                names[name] = None
+    return tuple(names)
+
+
+def protocol_of(kind: PluginKind) -> type | None:
+    """The protocol class `kind`'s components are checked against when resolved (None: checked by building)."""
+    path = _PROTOCOLS.get(kind)
+    if path is None:
+        return None
+    module, _, qualname = path.partition(":")
+    protocol: type = getattr(importlib.import_module(module), qualname)
+    return protocol
+
+
+@functools.cache
+def required_members_of(kind: PluginKind) -> tuple[str, ...]:
+    """`required_members` of `kind`'s protocol (empty for kinds checked by building); imports the protocol."""
+    protocol = protocol_of(kind)
+    return () if protocol is None else required_members(protocol)
 
 
 @dataclass
@@ -117,7 +175,7 @@ class ComponentSpec:
                 f"(distribution {self.distribution or '?'} {self.version}) failed to load: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        missing = [attr for attr in _REQUIRED.get(self.kind, ()) if not hasattr(obj, attr)]
+        missing = [attr for attr in required_members_of(self.kind) if not hasattr(obj, attr)]
         if missing:
             raise PluginLoadError(
                 f"{self.kind.value} '{self.name}' from plugin '{self.plugin}' "

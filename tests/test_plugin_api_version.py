@@ -1,6 +1,7 @@
-"""`PAGEDLLM_PLUGIN_API`: a plugin declaring a range without `pagedllm.PLUGIN_API_VERSION` is skipped with a
-warning naming both versions, listed as incompatible, and a config asking for it fails clearly. Plus the
-rule for two third-party plugins registering one name."""
+"""`PAGEDLLM_PLUGIN_API`: a plugin declaring a range without the running API version (integer clauses: the
+major `pagedllm.PLUGIN_API_VERSION`; dotted ones: the whole `pagedllm.API_VERSION`) is skipped with a warning
+naming both versions, listed as incompatible, and a config asking for it fails clearly. Plus the rule for two
+third-party plugins registering one name."""
 
 from __future__ import annotations
 
@@ -50,10 +51,44 @@ def test_ranges(spec: object, ok: bool) -> None:
     assert (incompatibility(module, 1) is None) is ok
 
 
+@pytest.mark.parametrize(("spec", "ok"), [
+    (">=1.1,<2", True), ("==1.1.0", True), ("==1.1", True), (">=1.1.0", True), ("<=1.1", True),
+    (">=1.2", False), (">1.1", False), ("!=1.1.0", False), ("==1.0", False), ("<1.1", False),
+    (">=1.0.1,<1.2", True), (" >= 1.1 , < 2.0 ", True), (">=1,<1.1", False),
+    # Integer clauses still compare the major only: every 1.x passes, as before.
+    (">=1,<2", True), ("==1", True), (1, True), (">1", False), ("!=1", False),
+])
+def test_dotted_ranges_against_the_full_api_version(spec: object, ok: bool) -> None:
+    module = type("M", (), {"PAGEDLLM_PLUGIN_API": spec})
+    assert (incompatibility(module, "1.1.0") is None) is ok
+
+
+def test_dotted_clauses_parse_to_tuples_integers_stay_majors() -> None:
+    assert parse_range(">=1.1,<2") == [(">=", (1, 1)), ("<", 2)]
+    assert parse_range("1.1.0") == [("==", (1, 1, 0))]
+    # An int current (the major alone) is N.0.0 to a dotted clause.
+    assert incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": ">=1.0"}), 1) is None
+    assert incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": ">=1.1"}), 1) is not None
+
+
+def test_a_plugin_needing_a_later_minor_is_incompatible_naming_both_versions() -> None:
+    assert pagedllm.API_VERSION == "1.1.0"
+    why = incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": ">=1.2,<2"}), pagedllm.API_VERSION)
+    assert why == "supports pagedllm plugin API '>=1.2,<2' but this pagedllm provides plugin API 1.1.0"
+
+
 def test_a_malformed_range_is_an_incompatibility_naming_it() -> None:
     with pytest.raises(ValueError, match="'~1'"):
         parse_range("~1")
     assert "'~1'" in (incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": "~1"}), 1) or "")
+
+
+@pytest.mark.parametrize("bad", ["1.", ">=1..2", "1.x", ">=v1", ">=1,", "=>1", "1.1.0-rc1"])
+def test_malformed_dotted_clauses_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="is not '<op><version>'"):
+        parse_range(bad)
+    module = type("M", (), {"PAGEDLLM_PLUGIN_API": bad})
+    assert "is not '<op><version>'" in (incompatibility(module, "1.1.0") or "")
 
 
 def test_no_declaration_means_compatible() -> None:
@@ -92,13 +127,24 @@ def test_incompatible_plugin_is_skipped_listed_and_refused_when_requested(
     assert entry["status"] == "incompatible" and "plugin API 1" in entry["error"]
 
 
-def test_compatible_declaration_loads_silently(fake_distribution: MakeDist) -> None:
-    _dist(fake_distribution, "pagedllm-now", "now_plugin", ">=1,<2", name="now")
+@pytest.mark.parametrize("api", [">=1,<2", ">=1.1,<2", "==1.1.0"])
+def test_compatible_declaration_loads_silently(fake_distribution: MakeDist, api: str) -> None:
+    _dist(fake_distribution, "pagedllm-now", "now_plugin", api, name="now")
     pm = PluginManager()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pm.discover()
     assert pm.get(PluginKind.SCHEDULER, "now") is not None
+
+
+def test_a_plugin_needing_a_later_minor_is_skipped_and_listed_incompatible(fake_distribution: MakeDist) -> None:
+    _dist(fake_distribution, "pagedllm-newer", "newer_plugin", ">=1.2,<2", name="newer")
+    pm = PluginManager()
+    with pytest.warns(RuntimeWarning, match=r"supports pagedllm plugin API '>=1.2,<2' but this pagedllm "
+                                            r"provides plugin API 1\.1\.0"):
+        pm.discover()
+    assert pm.get(PluginKind.SCHEDULER, "newer") is None
+    assert next(r for r in pm.records if r.name == "newer_plugin").status == "incompatible"
 
 
 @pytest.mark.parametrize("reverse", [False, True])

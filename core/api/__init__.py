@@ -7,8 +7,10 @@ pyproject.toml).
 
 This module is light -- no torch -- because registration modules import it while `pagedllm plugins` and
 `import pagedllm` must stay fast: it holds what registration needs (`hookimpl`, the kinds, component specs,
-KV-cache spec types, the version). Implementation modules, imported when a component is used, take the rest
-from the submodules:
+KV-cache spec types, the version) and the types of a registration, typing only: the `register` callable per
+kind (`RegisterScheduler`, ...: annotate a hook's argument with it and mypy checks every call) and the context
+each kind's check() receives (`SchedulerCheckContext`, ...; the table in pagedllm.selection_context).
+Implementation modules, imported when a component is used, take the rest from the submodules:
 
     pagedllm.api.attention     attention backends: per-step metadata, layer config
     pagedllm.api.kv            KV managers: block pool, blocks, single-type manager base
@@ -24,27 +26,67 @@ from the submodules:
 
 from __future__ import annotations
 
-from pagedllm.hookspecs import hookimpl
+from pagedllm.hookspecs import (
+    Register,
+    RegisterAttentionBackend,
+    RegisterEntrypoint,
+    RegisterExecutor,
+    RegisterKVManager,
+    RegisterLoader,
+    RegisterLogitsProcessor,
+    RegisterModel,
+    RegisterProposer,
+    RegisterQuantizationMethod,
+    RegisterScheduler,
+    hookimpl,
+)
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
+from pagedllm.selection_context import (
+    AttentionSelectionContext,
+    ExecutorCheckContext,
+    KVManagerCheckContext,
+    LoaderCheckContext,
+    ProposerCheckContext,
+    QuantizationCheckContext,
+    SchedulerCheckContext,
+)
 
 # NOTE: semver over exactly the names this package and its submodules export. A minor release may add
 # names, optional protocol methods with defaults, or optional keyword arguments; removing or renaming a
 # name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
 # removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
-# PAGEDLLM_PLUGIN_API = ">=1,<2".
+# PAGEDLLM_PLUGIN_API = ">=1,<2" (integer clauses compare the major), or a minor they need: ">=1.1,<2".
 API_VERSION = "1.1.0"
 PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
 
 __all__ = [
     "API_VERSION",
     "PLUGIN_API_VERSION",
+    "AttentionSelectionContext",
     "AttentionSpec",
     "ComponentSpec",
+    "ExecutorCheckContext",
     "FullAttentionSpec",
     "KVCacheSpec",
+    "KVManagerCheckContext",
+    "LoaderCheckContext",
     "MambaSpec",
     "PluginKind",
+    "ProposerCheckContext",
+    "QuantizationCheckContext",
+    "Register",
+    "RegisterAttentionBackend",
+    "RegisterEntrypoint",
+    "RegisterExecutor",
+    "RegisterKVManager",
+    "RegisterLoader",
+    "RegisterLogitsProcessor",
+    "RegisterModel",
+    "RegisterProposer",
+    "RegisterQuantizationMethod",
+    "RegisterScheduler",
+    "SchedulerCheckContext",
     "SlidingWindowSpec",
     "hookimpl",
 ]

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pagedllm.plugin_spec import optional
+
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -73,6 +75,7 @@ class Executor(Protocol):
         """Run one step on every rank; return rank 0's output."""
         ...
 
+    @optional
     def execute_pipelined(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Launch one step on every rank without waiting for it; return rank 0's output of the step launched
         before (None if none), as ModelRunner.execute_pipelined does (model_runner.py NOTES 1 and 2). Optional:

@@ -7,6 +7,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedllm.plugin_spec import optional
+
 
 @dataclass
 class LoadedModelInfo:
@@ -26,8 +28,12 @@ class LoadedModelInfo:
 
 
 class ModelLoader(Protocol):
+    @optional
     def check(self, model: str) -> list[str]:
-        """Reasons this loader cannot read `model` (empty list: it can)."""
+        """Reasons this loader cannot read `model` (empty list: it can).
+
+        Optional: selection runs the registration's `check=` (light, before anything is loaded), never this.
+        """
         ...
 
     def load_info(self, model: str, tokenizer: str | None = None) -> LoadedModelInfo:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from pagedllm.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.plugin_spec import optional
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.stats import SchedulerStats
 
@@ -35,6 +36,12 @@ class Scheduler(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def get_num_unfinished_requests(self) -> int: ...
+    @optional
+    def get_num_unfinished_requests(self) -> int:
+        """How many requests are waiting or running.
+
+        Optional: the engine asks `has_unfinished_requests`, never this (SchedulerBase provides both).
+        """
+        ...
 
     def get_stats(self) -> SchedulerStats: ...
