@@ -1,4 +1,4 @@
-"""The plugin contract's import rules (pyproject.toml [tool.importlinter], run by tools/lint_imports.py in CI)
+"""The plugin contract's import rules (pyproject.toml [tool.importlinter], run by tools/on_installed_layout.py in CI)
 cover the whole tree: every core module is in the core lists, every plugin package in the independence list,
 and no plugin imports the root package `pagedllm` (import-linter cannot forbid a root without its children)."""
 
@@ -82,7 +82,7 @@ def test_lint_imports_fails_on_a_plugin_reaching_into_core(tmp_path: Path) -> No
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     scheduler = tree / "plugins" / "schedulers" / "fcfs" / "scheduler.py"
     scheduler.write_text(scheduler.read_text() + "\nfrom pagedllm.layers import norm  # noqa\n")
-    done = subprocess.run([sys.executable, str(tree / "tools" / "lint_imports.py")], cwd=tree,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(tree / "tools" / "on_installed_layout.py"), "lint-imports", "--no-cache"],
+                          cwd=tree, capture_output=True, text=True)
     assert done.returncode != 0
     assert "pagedllm.plugins.schedulers.fcfs.scheduler -> pagedllm.layers.norm" in done.stdout

@@ -26,7 +26,7 @@ activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +142,7 @@ def gated_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.
         return None
     if not isinstance(down, (ReplicatedLinear, RowParallelLinear)) or down.bias is not None:
         return None
-    weight = down.weight
+    weight = cast(torch.Tensor, down.weight)
     half = gate_up.shape[-1] // 2
     if gate_up.shape[-1] != 2 * half or weight.shape[1] != half:
         return None

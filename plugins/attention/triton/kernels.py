@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import triton
@@ -427,7 +428,7 @@ def unified_attention(
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
     cfg = config or choose_config(num_tokens, num_seqs, num_segments)
     overrides = {"rows": rows_per_program, "tile_n": tile_n, "num_warps": num_warps, "num_stages": num_stages}
-    cfg = replace(cfg, **{k: v for k, v in overrides.items() if v})
+    cfg = replace(cfg, **cast(dict[str, Any], {k: v for k, v in overrides.items() if v}))
     # tl.dot needs every dimension >= 16. Packed GQA: BLOCK_M rows = BLOCK_Q tokens x G heads of one KV head,
     # so at least one token's G heads; unpacked: BLOCK_M tokens of one query head.
     block_m = max(16, cfg.rows, triton.next_power_of_2(group) if cfg.pack_gqa else 16)

@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(ctx, cfg.vocab_size, cfg.hidden_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", self.tie_word_embeddings_default))
         if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+            self.lm_head.tie_weights(cast(VocabParallelEmbedding, self.model.embed_tokens))
 
     def forward(
         self,

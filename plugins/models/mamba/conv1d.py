@@ -33,7 +33,7 @@ def causal_conv1d_varlen(
     bias: torch.Tensor | None,  # [D]
     conv_states: torch.Tensor,  # [S, D, K - 1], updated in place
     query_start_loc: Sequence[int],  # [B + 1] host offsets of each request's rows
-    state_indices: Sequence[int],  # [B] state slot of each request
+    state_indices: Sequence[int] | torch.Tensor,  # [B] state slot of each request
     has_initial_state: Sequence[bool],  # [B] False: the request starts from zeros (its first chunk)
     activation: str | None = "silu",
 ) -> torch.Tensor:  # [T, D]

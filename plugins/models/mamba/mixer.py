@@ -15,6 +15,8 @@ state lives in the block its state slot names (mamba_state.py).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -100,7 +102,7 @@ class MambaMixer(nn.Module):
         if nt > nd:
             xc[nd:nt] = prefill_conv1d(x[nd:nt], weight, bias, conv_states, step, self.activation)
         dt, B, C = self.x_proj(xc).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
-        dt = dt @ self.dt_proj.weight.t()  # the bias goes in with the softplus, as transformers does
+        dt = dt @ cast(torch.Tensor, self.dt_proj.weight).t()  # the bias goes in with the softplus, as transformers does
         dt_bias = self.dt_proj.bias
         A = -torch.exp(self.A_log.float())
         y = torch.zeros_like(x)

@@ -27,7 +27,7 @@ def selective_scan_varlen(
     C: torch.Tensor,  # [T, N]
     ssm_states: torch.Tensor,  # [S, D, N], updated in place
     query_start_loc: Sequence[int],  # [B + 1] host offsets
-    state_indices: Sequence[int],  # [B] state slots
+    state_indices: Sequence[int] | torch.Tensor,  # [B] state slots
     has_initial_state: Sequence[bool],  # [B]
     D: torch.Tensor | None = None,  # [D]
     z: torch.Tensor | None = None,  # [T, D]

@@ -33,7 +33,7 @@ def ssd_chunk_scan_varlen(
     C: torch.Tensor,  # [T, G, N]
     ssm_states: torch.Tensor,  # [S, H, P, N], updated in place
     query_start_loc: Sequence[int],  # [B + 1] host offsets
-    state_indices: Sequence[int],  # [B] state slots
+    state_indices: Sequence[int] | torch.Tensor,  # [B] state slots
     has_initial_state: Sequence[bool],  # [B]
     chunk_size: int,
     D: torch.Tensor | None = None,  # [H]

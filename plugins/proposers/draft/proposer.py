@@ -212,8 +212,8 @@ class DraftModelProposer:
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         q = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
         generators = {
-            j: requests[i].generator for j, i in enumerate(rows)
-            if requests[i].generator is not None and not params[j].greedy
+            j: generator for j, i in enumerate(rows)
+            if (generator := requests[i].generator) is not None and not params[j].greedy
         }
         sampled = exponential_race(q, generators)
         greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=logits.device)

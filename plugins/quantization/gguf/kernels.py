@@ -204,7 +204,7 @@ class TritonKernel(nn.Module):
         self._triton = gguf_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._triton.gguf_matmul(x, self._buffers["blocks"], self.ggml_type, self.n)
+        return self._triton.gguf_matmul(x, cast(torch.Tensor, self._buffers["blocks"]), self.ggml_type, self.n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows W[ids] (float32, exact): the picked rows' blocks through the dequantize kernel."""
@@ -222,7 +222,7 @@ class DequantKernel(nn.Module):
         super().__init__()
         from pagedllm.api.loading import dequantize_blocks
 
-        self._dequantize = functools.partial(dequantize_blocks, ggml_type=ggml_type, shape=shape)
+        self._dequantize = functools.partial(dequantize_blocks, ggml_type=cast(Any, ggml_type), shape=shape)
         self.register_buffer("blocks", data.contiguous())
         self.cache = cache
         self._cached: torch.Tensor | None = None

@@ -133,7 +133,7 @@ class GGUFConfig:
         if dummy_type.upper() not in {t.name for t in F16_FIELDS}:
             raise ValueError(f"gguf: dummy_type must be one of {', '.join(t.name for t in F16_FIELDS)}, "
                              f"not {dummy_type!r}")
-        self.dummy_type = Q[dummy_type.upper()]
+        self.dummy_type = Q.__members__[dummy_type.upper()]
         if embedding not in _EMBEDDING_MODES:
             raise ValueError(f"gguf: embedding must be one of {_EMBEDDING_MODES}, not {embedding!r}")
         if cpu_kernel not in _CPU_KERNELS:
@@ -228,7 +228,7 @@ class _PieceCollector:
             piece_index = getattr(layer, "piece_index", None)  # linear layers; an embedding has one piece
             piece = int(piece_index(shard_id)) if piece_index is not None else 0
             if isinstance(loaded, torch.Tensor):  # a dense tensor (F32/F16 in the file, or another loader)
-                loaded = GGUFBlocks(loaded.float().contiguous().view(torch.uint8), Q.F32, tuple(loaded.shape))
+                loaded = GGUFBlocks(loaded.float().contiguous().view(torch.uint8), Q.F32, (int(loaded.shape[0]), int(loaded.shape[1])))
             state = _state(layer)
             expected = (state.rows[piece], state.cols)
             loaded = _rank_slice(layer, loaded, shard_id, expected)
