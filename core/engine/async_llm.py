@@ -28,13 +28,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.input_processing import (
-    PromptType,
-    RequestValidationError,
-    complete_params,
-    fan_out,
-    tokenize_prompt,
-)
+from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder, RequestValidationError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.serialization import Outputs, Ready
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -91,11 +85,15 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._ready: Ready | None = None
+        self._requests: RequestBuilder | None = None  # built once the core has said its max_model_len
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def start(self) -> Ready:
         self._ready = await self.client.start()
+        # input_processing.py NOTE 2: the server answers a request the core could never run at once.
+        limits = ModelLimits.from_model(self.model_info, self._ready.max_model_len)
+        self._requests = RequestBuilder(self.tokenizer, limits, reject_unrunnable=True)
         self.pm.hook.engine_started(engine=self)
         return self._ready
 
@@ -128,9 +126,16 @@ class AsyncLLM:
 
     # -- prompts -------------------------------------------------------------------------------------------
 
+    @property
+    def requests(self) -> RequestBuilder:
+        """The request builder shared with LLMEngine (input_processing.py); there once the core is ready."""
+        if self._requests is None:
+            raise EngineDeadError("the engine core has not started")
+        return self._requests
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for a string, a list of ids or {"prompt_token_ids": [...]}."""
-        return tokenize_prompt(self.tokenizer, prompt)
+        return self.requests.tokenize(prompt)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
@@ -147,25 +152,6 @@ class AsyncLLM:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
-        max_len = self.max_model_len
-        if not prompt_ids:
-            raise RequestValidationError("the prompt is empty", prompt_param)
-        vocab = self.ready.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", prompt_param)
-        if len(prompt_ids) >= max_len:
-            raise RequestValidationError(
-                f"This model's maximum context length is {max_len} tokens. However, the prompt has "
-                f"{len(prompt_ids)} tokens, leaving no room for the completion.", prompt_param,
-            )
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
-            raise RequestValidationError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens",
-            )
-
     # -- requests ---------------------------------------------------------------------------------------------
 
     def add_request(
@@ -179,28 +165,24 @@ class AsyncLLM:
         """Tokenize, validate and queue; raises at once (RequestValidationError, QueueFullError, EngineDeadError)."""
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
-        if request_id in self._streams:
-            raise RequestValidationError(f"request id {request_id!r} is already in use", "request_id")
         bound = self.config.scheduler.max_waiting
         if bound is not None and self.num_unfinished_sequences + params.n > self.config.scheduler.max_num_seqs + bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests waiting); retry later")
-        _, prompt_ids = self.tokenize(prompt)
-        self._validate(prompt_ids, params, prompt_param)
-        params = complete_params(params, len(prompt_ids), self.max_model_len, set(self.ready.eos_token_ids))
-        prompt_text = prompt if isinstance(prompt, str) else None
-        arrival = time.monotonic()
-        samples = fan_out(request_id, params)
-        self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
+        prepared = self.requests.build(
+            request_id, prompt, params, in_use=self._streams, priority=priority, prompt_param=prompt_param
+        )
+        num_samples = len(prepared.samples)
+        self.processor.add_request(
+            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.samples, prepared.arrival_time
+        )
         state = self.processor.requests[request_id]
         stream = _Stream(request_id, sorted(state.samples.values(), key=lambda s: s.index))
-        stream.sent_tokens = [0] * len(samples)
-        stream.sent_logprobs = [0] * len(samples)
-        stream.reported_finish = [False] * len(samples)
+        stream.sent_tokens = [0] * num_samples
+        stream.sent_logprobs = [0] * num_samples
+        stream.reported_finish = [False] * num_samples
         self._streams[request_id] = stream
-        eos = min(self.ready.eos_token_ids) if self.ready.eos_token_ids else None
         try:
-            for core_id, child in samples:
-                request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority, eos_token_id=eos)
+            for request in prepared.core_requests:
                 self._notify_added(request)
                 self.client.add_request(request)
         except EngineDeadError:

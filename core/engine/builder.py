@@ -1,8 +1,11 @@
 """Assembles an engine from an EngineConfig: every component chosen through the plugin selector.
 
 Order: model reference → loader → config/tokenizer → architecture → attention backend → quantization →
-model built and loaded → KV specs → KV manager per group → cache sized and allocated → scheduler → runner.
-Each choice is kept as a `Selection`, so `pagedllm config show` can say what was picked and why.
+model built and loaded → KV specs → KV manager per group → cache sized and allocated → scheduler → the
+runner's plugins (logits processors, speculative proposer) → runner → start-up (compile, capture, warm-up).
+`build_engine_parts` runs these as named stages, each a function taking and returning small values
+(`_ModelSource`, `_Components`, `_KVPlan`, ...). Each choice is kept as a `Selection`, so `pagedllm config
+show` can say what was picked and why.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +24,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.default_model import resolve_model_reference
 from pagedllm.distributed.communication import tp_min
 from pagedllm.distributed.shard_check import check_tensor_parallel
+from pagedllm.engine.runner_plugins import RunnerPlugins, TargetFacts, build_runner_plugins
 from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
@@ -33,6 +37,7 @@ from pagedllm.plugin_spec import ComponentSpec, PluginKind
 from pagedllm.protocols.executor import ExecutorContext
 from pagedllm.protocols.loader import LoadedModelInfo
 from pagedllm.protocols.model import ModelBuildContext
+from pagedllm.sample.sampler import Sampler
 from pagedllm.sched.base import SchedulerContext
 from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.selector import Selection, SelectionError, select
@@ -67,6 +72,8 @@ class EngineParts:
     # Seconds per start-up phase, in order (model + weights, KV sizing and allocation, graph capture, warm-up):
     # where a slow start goes -- the first process on a machine compiles every Triton kernel it reaches.
     startup_phases: dict[str, float] = field(default_factory=dict)
+    # The config's logits processors, in the runner's sampler (runner_plugins.py); rank 0 only.
+    logits_processors: list[Any] = field(default_factory=list)
 
     def describe(self) -> str:
         lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
@@ -103,9 +110,15 @@ def select_loader(pm: PluginManager, config: EngineConfig, model_ref: str) -> Se
     return select(pm, PluginKind.LOADER, model_ref, requested=config.loader.name)
 
 
-def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> EngineParts:
+def build_engine(
+    config: EngineConfig, pm: PluginManager | None = None, *, plugin_sections: Mapping[str, Any] | None = None
+) -> EngineParts:
     """The engine core's build: its executor first (remote tensor-parallel ranks start and this process joins
-    their group as rank 0), then rank 0's parts; the executor is shut down if anything fails."""
+    their group as rank 0), then rank 0's parts; the executor is shut down if anything fails.
+
+    :param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config), for the
+        logits processors; validated here when the config names some and they are not given.
+    """
     pm = pm or get_plugin_manager()
     parallel = config.parallel
     speculative = getattr(getattr(config, "speculative", None), "method", None)
@@ -120,7 +133,7 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     executor = sel.load()(ExecutorContext(config))
     try:
         executor.start()
-        parts = build_engine_parts(config, pm, tp_rank=0)
+        parts = build_engine_parts(config, pm, tp_rank=0, plugin_sections=plugin_sections)
         executor.bind(parts.runner)
     except BaseException:
         executor.shutdown()
@@ -130,25 +143,83 @@ def build_engine(config: EngineConfig, pm: PluginManager | None = None) -> Engin
     return parts
 
 
-def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *, tp_rank: int = 0) -> EngineParts:
+def build_engine_parts(
+    config: EngineConfig,
+    pm: PluginManager | None = None,
+    *,
+    tp_rank: int = 0,
+    plugin_sections: Mapping[str, Any] | None = None,
+) -> EngineParts:
     """One rank's engine: model shard, KV cache, runner (and the scheduler, used on rank 0 only).
 
     Every rank runs this same build so shapes, block counts and captured graphs agree; a process with
     tensor_parallel_size > 1 must have joined the group first (pagedllm.distributed.parallel_state).
+    Rank 0's runner is built with the runner plugins (logits processors, speculator: runner_plugins.py).
     """
-    t0 = time.perf_counter()
+    clock = _PhaseClock()  # the first phase includes plugin selection and reading the model config
     pm = pm or get_plugin_manager()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
-    model_ref = resolve_model_reference(config.model)
-    selections: dict[str, Selection] = {}
+    tp_size = config.parallel.tensor_parallel_size
+    source = _load_model_info(config, pm)
+    comps = _select_components(config, pm, source, tp_size)
+    model = _build_and_load_model(config, source, comps, tp_rank, tp_size)
+    clock("model and weights")
+    kv = _plan_kv_cache(config, pm, model, comps, source.trained_len, tp_size)
+    scheduler, scheduler_sel = _build_scheduler(config, pm, kv, comps.block_size)
+    clock("KV cache sizing and allocation")
+    plugins = _build_runner_plugins(config, pm, source, comps, kv, tp_rank, plugin_sections)
+    if plugins.speculator is not None:
+        clock("speculative proposer")  # a draft model is a whole second engine (runner_plugins.py NOTE)
+    runner = _build_runner(config, model, source, comps, kv, plugins, tp_rank, tp_size)
+    _start_up(config, runner, comps.device, clock)
+    selections = {
+        **source.selections, **comps.selections, **kv.selections, "scheduler": scheduler_sel, **plugins.selections
+    }
+    parts = EngineParts(
+        config, source.model_ref, source.info, model, runner, scheduler, kv.manager, kv.max_model_len,
+        kv.num_blocks, comps.block_size, comps.device, comps.dtype, selections, clock.elapsed(), tp_size=tp_size,
+        capacity=kv.capacity, startup_phases=clock.phases, logits_processors=plugins.logits_processors,
+    )
+    logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
+    return parts
 
-    sel = selections["loader"] = select_loader(pm, config, model_ref)
+
+class _PhaseClock:
+    """Seconds per start-up phase, in order: each phase runs from the end of the one before (the first from
+    the clock's creation)."""
+
+    def __init__(self) -> None:
+        self.t0 = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+@dataclass(frozen=True)
+class _ModelSource:
+    """Stage 1: where the model comes from and what its config says (no weights read yet)."""
+
+    model_ref: str
+    loader: Any
+    info: LoadedModelInfo
+    trained_len: int | None  # the config's max_position_embeddings
+    selections: dict[str, Selection]
+
+
+def _load_model_info(config: EngineConfig, pm: PluginManager) -> _ModelSource:
+    model_ref = resolve_model_reference(config.model)
+    sel = select_loader(pm, config, model_ref)
     loader = sel.load()()
     info: LoadedModelInfo = loader.load_info(model_ref, config.tokenizer)
-    hf_config = info.hf_config
-    trained = getattr(hf_config, "max_position_embeddings", None)
+    trained = getattr(info.hf_config, "max_position_embeddings", None)
     if config.max_model_len and trained and config.max_model_len > trained:
         # NOTE: refused before the weights load, as vLLM does, rather than failing mid-request: the rotary tables (and what the
         # model was trained on) end at max_position_embeddings, so a longer request would index past them.
@@ -156,15 +227,40 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
             f"max_model_len {config.max_model_len} is greater than the model's max_position_embeddings "
             f"{trained}; lower max_model_len (or use a checkpoint whose config allows the length)"
         )
+    return _ModelSource(model_ref, loader, info, trained, {"loader": sel})
 
-    tp_size = config.parallel.tensor_parallel_size
+
+@dataclass(frozen=True)
+class _Components:
+    """Stage 2: the chosen architecture, attention backend and quantization, and where the model runs."""
+
+    model_cls: Any
+    backend: Any  # an AttentionBackend class
+    quant_config: Any | None
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int  # the config's (kv_cache.block_size)
+    selections: dict[str, Selection]
+
+
+def _select_components(config: EngineConfig, pm: PluginManager, source: _ModelSource, tp_size: int) -> _Components:
+    hf_config = source.info.hf_config
     check_tensor_parallel(hf_config, tp_size)
     archs = list(getattr(hf_config, "architectures", None) or [])
-    selections["model"] = _select_architecture(pm, archs)
-    model_cls = selections["model"].load()
-
+    model_sel = _select_architecture(pm, archs)
+    model_cls = model_sel.load()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
+    attention_sel = _select_attention(config, pm, hf_config, device, dtype)
+    backend = attention_sel.load()
+    quant_sel, quant_config = _select_quantization(config, pm, source.info, device)
+    selections = {"model": model_sel, "attention": attention_sel, "quantization": quant_sel}
+    return _Components(model_cls, backend, quant_config, device, dtype, config.kv_cache.block_size, selections)
+
+
+def _select_attention(
+    config: EngineConfig, pm: PluginManager, hf_config: Any, device: torch.device, dtype: torch.dtype
+) -> Selection:
     num_attention_heads = getattr(hf_config, "num_attention_heads", None)
     if num_attention_heads:
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_attention_heads
@@ -172,22 +268,25 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         # Attention-free models (Mamba): the backend only builds the step metadata, so ask with a head size
         # every backend supports rather than a meaningless one that would rule out the CUDA-graph backends.
         head_size = 128
-    block_size = config.kv_cache.block_size
     attn_ctx = AttentionSelectionContext(
         device_type=device.type,
         compute_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=config.kv_cache.cache_dtype,
         head_size=head_size,
-        block_size=block_size,
+        block_size=config.kv_cache.block_size,
         sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),
         logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
         # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
         cuda_graphs=device.type == "cuda" and not config.enforce_eager,
     )
-    selections["attention"] = select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
-    backend = selections["attention"].load()
+    return select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
 
+
+def _select_quantization(
+    config: EngineConfig, pm: PluginManager, info: LoadedModelInfo, device: torch.device
+) -> tuple[Selection, Any | None]:
+    """The quantization method's selection and its config (None for `none`)."""
     checkpoint_quant = (info.quantization_config or {}).get("quant_method")
     dense_fallback = (info.quantization_config or {}).get("dense_fallback")
     if checkpoint_quant and dense_fallback and not config.quantization.method and device.type != "cpu":
@@ -199,34 +298,40 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
         checkpoint_quant = None
     quant_name = config.quantization.method or checkpoint_quant or "none"
     quant_source = "config" if config.quantization.method else "the checkpoint" if checkpoint_quant else "default"
-    selections["quantization"] = select(
+    selection = select(
         pm, PluginKind.QUANTIZATION, info.quantization_config, requested=quant_name, requested_by=quant_source
     )
-    quant_cls = selections["quantization"].load()
+    quant_cls = selection.load()
     # Options: the checkpoint's quantization_config, overridden by the config's `plugins.<method>` section.
     quant_options = {**(info.quantization_config or {}), **config.plugins.get(quant_name, {})}
-    quant_config = None if quant_name == "none" else quant_cls.from_config(quant_options)
+    return selection, None if quant_name == "none" else quant_cls.from_config(quant_options)
 
-    ctx = ModelBuildContext(hf_config, dtype, device, backend, quant_config, block_size, tp_rank, tp_size)
-    phases: dict[str, float] = {}
-    t_phase = t0  # the first phase includes plugin selection and reading the model config
 
-    def phase(name: str) -> None:
-        nonlocal t_phase
-        now = time.perf_counter()
-        phases[name] = now - t_phase
-        t_phase = now
-
-    model = _build_model(model_cls, ctx)
-    loader.load_weights(model, model_ref, info)
+def _build_and_load_model(
+    config: EngineConfig, source: _ModelSource, comps: _Components, tp_rank: int, tp_size: int
+) -> Any:
+    """Stage 3: the model built on its device, its weights loaded, its kernels chosen."""
+    ctx = ModelBuildContext(
+        source.info.hf_config, comps.dtype, comps.device, comps.backend, comps.quant_config, comps.block_size,
+        tp_rank, tp_size,
+    )
+    model = _build_model(comps.model_cls, ctx)
+    source.loader.load_weights(model, source.model_ref, source.info)
     model.eval()
+    _set_model_kernels(model, config, comps)
+    return model
+
+
+def _set_model_kernels(model: Any, config: EngineConfig, comps: _Components) -> None:
+    """The kernel switches of a loaded model, all in one place."""
     # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
     set_fused_ops(model, "auto" if config.fused_ops else "off")
     # The Triton decode GEMV for dense 16-bit linears (CUDA only); `dense_gemv: false` is the A/B switch.
     set_dense_gemv(model, config.dense_gemv)
     # SiLU/GELU-and-mul in a prompt-sized gate_up GEMM's epilogue (CUDA sm_90+ only); off until measured.
     set_gated_gemm(model, config.gated_gemm)
-    if config.fused_ops and device.type == "cpu" and dtype == torch.float32 and getattr(quant_config, "cpu_fused_ops", False):
+    if (config.fused_ops and comps.device.type == "cpu" and comps.dtype == torch.float32
+            and getattr(comps.quant_config, "cpu_fused_ops", False)):
         # NOTE: the CPU's C kernels (norm, rotary, SiLU-and-mul, decode attention) are not bit-identical to
         # torch, so only a method whose outputs already differ from the float model asks for them
         # (layers/fused_ops.py NOTE 3); the dense CPU path stays bit-for-bit transformers'.
@@ -234,27 +339,41 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
 
         set_cpu_ops(model, cpu_ops())
 
-    phase("model and weights")
-    specs: list[KVCacheSpec] = model.kv_cache_specs()
-    if config.kv_cache.disable_sliding_window:
-        specs = [_as_full_attention(s) for s in specs]
-    # `kv_cache.cache_dtype`: the attention specs' dtype sizes the pages (fp8: half a 16-bit page, so twice
-    # the blocks in the same memory) and the cache tensors; the chosen backend passed the same dtype in check().
-    specs = [_with_cache_dtype(s, config.kv_cache.cache_dtype) for s in specs]
-    # Groups by spec, split to equal sizes; groups of one page layout share cache tensors (kv_cache/layout.py).
-    layout = KVCacheLayout.plan(specs)
+
+@dataclass(frozen=True)
+class _KVPlan:
+    """Stage 4: the KV cache's layout, size and tensors, and the manager that hands out its blocks."""
+
+    specs: list[KVCacheSpec]
+    layout: KVCacheLayout
+    num_blocks: int
+    max_model_len: int
+    capacity: KVCapacity
+    kv_caches: list[torch.Tensor]
+    manager: KVCacheManager
+    selections: dict[str, Selection]
+
+    @property
+    def group_block_sizes(self) -> list[int]:
+        return [g.spec.block_size for g in self.layout.groups]
+
+
+def _plan_kv_cache(
+    config: EngineConfig, pm: PluginManager, model: Any, comps: _Components, trained: int | None, tp_size: int
+) -> _KVPlan:
+    specs, layout = _kv_layout(config, model)
     groups = layout.groups
-    bind_kv_groups(model, layout)
     group_block_sizes = [g.spec.block_size for g in groups]
+    selections: dict[str, Selection] = {}
     factories = []
     for i, group in enumerate(groups):
         key = f"kv_manager[{i}]" if len(groups) > 1 else "kv_manager"
         selections[key] = _select_kv_manager(pm, group.spec)
         factories.append(selections[key].load())
 
-    num_blocks = _num_blocks(config, layout, device, lambda: profile_activation_bytes(
-        model, backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
-        config.scheduler.max_num_seqs, device, group_block_sizes,
+    num_blocks = _num_blocks(config, layout, comps.device, lambda: profile_activation_bytes(
+        model, comps.backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs, comps.device, group_block_sizes,
         config.max_model_len or trained, compile_ahead=config.compile_ahead))
     num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
     model_max = config.max_model_len or trained or 2048
@@ -268,51 +387,100 @@ def build_engine_parts(config: EngineConfig, pm: PluginManager | None = None, *,
             f"usable KV blocks but the cache has {num_blocks - 1}; raise kv_cache.memory_gb / num_blocks or "
             "lower max_model_len"
         )
-    kv_caches = layout.allocate(backend, num_blocks, device)
-    kv_manager = KVCacheManager(
+    kv_caches = layout.allocate(comps.backend, num_blocks, comps.device)
+    manager = KVCacheManager(
         KVCacheConfig(num_blocks, groups),
         factories,
         enable_caching=config.kv_cache.enable_prefix_caching,
         max_model_len=max_model_len,
     )
-    selections["scheduler"] = select(pm, PluginKind.SCHEDULER, config.scheduler, requested=config.scheduler.name)
-    scheduler_cls = selections["scheduler"].load()
+    return _KVPlan(specs, layout, num_blocks, max_model_len, capacity, kv_caches, manager, selections)
+
+
+def _kv_layout(config: EngineConfig, model: Any) -> tuple[list[KVCacheSpec], KVCacheLayout]:
+    """The model's KV specs as configured, grouped into a layout the model's layers are bound to."""
+    specs: list[KVCacheSpec] = model.kv_cache_specs()
+    if config.kv_cache.disable_sliding_window:
+        specs = [_as_full_attention(s) for s in specs]
+    # `kv_cache.cache_dtype`: the attention specs' dtype sizes the pages (fp8: half a 16-bit page, so twice
+    # the blocks in the same memory) and the cache tensors; the chosen backend passed the same dtype in check().
+    specs = [_with_cache_dtype(s, config.kv_cache.cache_dtype) for s in specs]
+    # Groups by spec, split to equal sizes; groups of one page layout share cache tensors (kv_cache/layout.py).
+    layout = KVCacheLayout.plan(specs)
+    bind_kv_groups(model, layout)
+    return specs, layout
+
+
+def _build_scheduler(config: EngineConfig, pm: PluginManager, kv: _KVPlan, block_size: int) -> tuple[Any, Selection]:
+    """Stage 5: the configured scheduler over the KV manager (used on rank 0 only)."""
+    selection = select(pm, PluginKind.SCHEDULER, config.scheduler, requested=config.scheduler.name)
+    scheduler_cls = selection.load()
     scheduler = scheduler_cls(
         SchedulerContext(
-            config.scheduler, kv_manager, max_model_len, block_size, config.plugins.get(config.scheduler.name, {})
+            config.scheduler, kv.manager, kv.max_model_len, block_size, config.plugins.get(config.scheduler.name, {})
         )
     )
-    vocab_size = hf_config.vocab_size
+    return scheduler, selection
+
+
+def _build_runner_plugins(
+    config: EngineConfig,
+    pm: PluginManager,
+    source: _ModelSource,
+    comps: _Components,
+    kv: _KVPlan,
+    tp_rank: int,
+    plugin_sections: Mapping[str, Any] | None,
+) -> RunnerPlugins:
+    """Stage 6: rank 0's logits processors and speculator (runner_plugins.py); a plain sampler elsewhere."""
+    if tp_rank != 0:
+        return RunnerPlugins(Sampler())
+    target = TargetFacts(
+        comps.device, comps.dtype, int(source.info.hf_config.vocab_size), kv.max_model_len, comps.block_size,
+        kv.num_blocks, tuple(g.spec for g in kv.layout.groups),
+    )
+    return build_runner_plugins(config, pm, target, plugin_sections)
+
+
+def _build_runner(
+    config: EngineConfig,
+    model: Any,
+    source: _ModelSource,
+    comps: _Components,
+    kv: _KVPlan,
+    plugins: RunnerPlugins,
+    tp_rank: int,
+    tp_size: int,
+) -> ModelRunner:
+    """Stage 7: the model runner, whole: its buffers, sampler and speculator fixed at construction."""
     options = GPURunnerOptions(
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_tokens=config.scheduler.max_num_batched_tokens,
-        max_model_len=max_model_len,
+        max_model_len=kv.max_model_len,
         cuda_graphs=not config.enforce_eager,
         graph_batch_sizes=tuple(config.cuda_graph_sizes) if config.cuda_graph_sizes else None,
         # Speculative verification steps (k drafts + 1 per request) replay graphs of their own.
         uniform_query_lens=(config.speculative.num_speculative_tokens + 1,) if config.speculative.method else (),
     )
+    block_sizes = kv.group_block_sizes
     # The runner's block_size is group 0's (the config's, unless a layer type sets its own).
-    runner = ModelRunner(
-        model, backend, kv_caches, group_block_sizes[0], device, vocab_size, options, group_block_sizes,
-        tp_rank=tp_rank, tp_size=tp_size,
+    return ModelRunner(
+        model, comps.backend, kv.kv_caches, block_sizes[0], comps.device, source.info.hf_config.vocab_size,
+        options, block_sizes, tp_rank=tp_rank, tp_size=tp_size, sampler=plugins.sampler,
+        speculator=plugins.speculator,
     )
-    phase("KV cache sizing and allocation")
+
+
+def _start_up(config: EngineConfig, runner: ModelRunner, device: torch.device, clock: _PhaseClock) -> None:
+    """Stage 8: Triton compiles ahead, CUDA graph capture and warm-up, each timed as its own phase."""
     if config.compile_ahead and runner.compile_ahead():  # capture's and warm-up's Triton binaries (NOTE 4 there)
-        phase("Triton compiles ahead")
-    if device.type == "cuda" and options.cuda_graphs:
+        clock("Triton compiles ahead")
+    if device.type == "cuda" and runner.options.cuda_graphs:
         runner.capture_cuda_graphs()
-        phase("CUDA graph capture")
+        clock("CUDA graph capture")
     if device.type == "cuda":
         kinds = runner.warm_up()  # compile-on-first-use kernels compile now (model_runner NOTE 3)
-        phase(f"warm-up ({len(kinds)} kinds of step)")
-    parts = EngineParts(
-        config, model_ref, info, model, runner, scheduler, kv_manager, max_model_len, num_blocks, block_size,
-        device, dtype, selections, time.perf_counter() - t0, tp_size=tp_size, capacity=capacity,
-        startup_phases=phases,
-    )
-    logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
-    return parts
+        clock(f"warm-up ({len(kinds)} kinds of step)")
 
 
 def _select_architecture(pm: PluginManager, archs: list[str]) -> Selection:

@@ -80,6 +80,7 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.builder import build_engine
     from pagedllm.engine.engine_core import EngineCore
+    from pagedllm.engine.input_processing import ModelLimits
     from pagedllm.plugin_manager import get_plugin_manager
 
     # This process loads the plugins afresh: config_loaded, step_stats and logits processors run here.
@@ -88,40 +89,34 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
     sections = pm.load_config(config)
     if config.parallel.data_parallel_size > 1:
         return _build_data_parallel(config, pm)
-    parts = build_engine(config, pm)
-    info = parts.info
-    eos = set(info.eos_token_ids)
-    tok_eos = getattr(info.tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        eos.add(int(tok_eos))
+    parts = build_engine(config, pm, plugin_sections=sections)
+    limits = ModelLimits.from_model(parts.info, parts.max_model_len)
     ready = Ready(
         pid=os.getpid(),
         model_name=parts.model_ref,
-        max_model_len=parts.max_model_len,
-        eos_token_ids=sorted(eos),
-        vocab_size=int(info.hf_config.vocab_size),
+        max_model_len=limits.max_model_len,
+        eos_token_ids=sorted(limits.eos_token_ids),
+        vocab_size=limits.vocab_size,
         num_blocks=parts.num_blocks,
         block_size=parts.block_size,
     )
-    return EngineCore(parts, pm, sections), ready
+    return EngineCore(parts, pm), ready
 
 
 def _build_data_parallel(config: Any, pm: Any) -> tuple[Any, Ready]:
     """This process routes requests to the replicas (Ray actors); the loop drives it like an EngineCore."""
     from pagedllm.default_model import resolve_model_reference
     from pagedllm.engine.dp_engine import build_data_parallel_core
+    from pagedllm.engine.input_processing import ModelLimits
 
     core, info, _ = build_data_parallel_core(config, pm)
-    eos = set(info.eos_token_ids)
-    tok_eos = getattr(info.tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        eos.add(int(tok_eos))
+    limits = ModelLimits.from_model(info, int(core.max_model_len))
     ready = Ready(
         pid=os.getpid(),
         model_name=resolve_model_reference(config.model),
-        max_model_len=core.max_model_len,
-        eos_token_ids=sorted(eos),
-        vocab_size=int(info.hf_config.vocab_size),
+        max_model_len=limits.max_model_len,
+        eos_token_ids=sorted(limits.eos_token_ids),
+        vocab_size=limits.vocab_size,
         num_blocks=sum(r["num_blocks"] for r in core.info),
         block_size=config.kv_cache.block_size,
     )

@@ -13,6 +13,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import resolve_model_reference
 from pagedllm.engine.builder import select_loader
+from pagedllm.engine.input_processing import ModelLimits
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
@@ -47,20 +48,13 @@ class DataParallelLLMEngine(LLMEngine):
         self.core = core
         self.tokenizer = self.info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_ids()
+        self.requests = self._request_builder(ModelLimits.from_model(self.info, self.max_model_len))
         self._closed = False
         self.pm.hook.engine_started(engine=self)
 
     @property
     def max_model_len(self) -> int:
         return int(self.core.max_model_len)
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.info.eos_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is not None:
-            ids.add(int(eos))
-        return ids
 
     @property
     def kv_cache_usage(self) -> float:

@@ -14,8 +14,8 @@ one step later than they are computed. With tensor parallelism the executor send
 ranks and does not wait for them; every rank runs it pipelined, and rank 0's sampled ids reach the others by
 a broadcast on the device (model_runner.py NOTE 2), so all ranks feed the model rank 0's tokens.
 
-Plugins that act on steps live here, so they run wherever the core runs: the configured logits processors
-(built once, handed to the runner's sampler) and the `step_stats` hook.
+Plugins that act on steps run wherever the core runs: the configured logits processors and the speculative
+proposer are built with the runner (builder.py, runner_plugins.py), the `step_stats` hook is called here.
 """
 
 from __future__ import annotations
@@ -25,15 +25,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from pagedllm.config import plugin_section, validate_plugin_sections
 from pagedllm.engine.builder import EngineParts
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
-from pagedllm.plugin_spec import PluginKind
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sample.logits_processor import LogitsProcessor, LogitsProcessorContext
 from pagedllm.sched.stats import SchedulerStats
-from pagedllm.selector import select
 
 logger = logging.getLogger("pagedllm")
 
@@ -45,12 +41,13 @@ class EngineCore:
         plugin_manager: PluginManager | None = None,
         plugin_sections: Mapping[str, Any] | None = None,
     ) -> None:
-        """:param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config);
-        validated here when not given."""
+        """:param plugin_sections: unused, accepted for callers that still pass it: the plugins that need the
+        config's `plugins.*` sections (logits processors) are built with the runner (build_engine)."""
         self.parts = parts
         self.pm = plugin_manager or get_plugin_manager()
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.logits_processors = list(parts.logits_processors)  # the runner's sampler's (runner_plugins.py)
         # The executor runs every tensor-parallel rank; uniproc hands back runner.execute itself (no extra hop).
         self.executor = parts.executor
         self._execute = parts.executor.execute_model if parts.executor is not None else parts.runner.execute
@@ -60,7 +57,8 @@ class EngineCore:
         self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
         self._gc_threshold = gc.get_threshold()  # the process's, put back by shutdown()
         try:
-            self._configure(plugin_sections)
+            self._step_hook = self.pm.hook.step_stats
+            self.async_scheduling = self._use_async_scheduling()
         except BaseException:
             # The executor's remote ranks (processes, Ray actors) are already running: a config refused here
             # must not leave them holding their GPUs or the cluster's resources.
@@ -81,22 +79,6 @@ class EngineCore:
         if parts.config.gc_threshold is not None:
             gc.set_threshold(parts.config.gc_threshold, *self._gc_threshold[1:])
 
-    def _configure(self, plugin_sections: Mapping[str, Any] | None) -> None:
-        """Plugins that act on steps (logits processors, the proposer) and the stepping mode."""
-        parts = self.parts
-        models = self.pm.config_models()
-        sections = plugin_sections if plugin_sections is not None else validate_plugin_sections(parts.config, models)
-        self.logits_processors = self._build_logits_processors(sections, models)
-        # NOTE: the runner's sampler is the one call site of the processors; setting it here keeps the
-        # runner unaware of plugins (and leaves it untouched when the config names none).
-        sampler = getattr(self.runner, "sampler", None)
-        if sampler is not None and self.logits_processors:
-            sampler.logits_processors = self.logits_processors
-        if parts.config.speculative.method is not None:
-            self._enable_speculation()
-        self._step_hook = self.pm.hook.step_stats
-        self.async_scheduling = self._use_async_scheduling()
-
     def _use_async_scheduling(self) -> bool:
         config = self.parts.config
         wanted = config.scheduler.async_scheduling
@@ -112,48 +94,6 @@ class EngineCore:
         if wanted and why_not:
             raise ValueError(f"scheduler.async_scheduling: cannot be true here: {why_not}")
         return wanted
-
-    def _enable_speculation(self) -> None:
-        """Build the configured proposer and hand it to the (rank 0) runner, which verifies its drafts.
-
-        NOTE: built here, after the target's KV cache: a draft model's weights and cache must fit in what
-        the target left (on a GPU, lower kv_cache.gpu_memory_utilization to make room).
-        """
-        from pagedllm.kv_cache.spec import AttentionSpec
-        from pagedllm.spec_decode.proposer import build_proposer
-        from pagedllm.spec_decode.speculator import Speculator
-
-        spec = self.parts.config.speculative
-        # Rejected drafts are undone by rolling num_computed_tokens back over KV slots; a recurrent state
-        # (Mamba) has already absorbed them and cannot be rolled back.
-        kinds = {type(g.spec).__name__ for g in self.parts.kv_cache_manager.config.groups
-                 if not isinstance(g.spec, AttentionSpec)}
-        if kinds:
-            raise ValueError(
-                f"speculative.method {spec.method!r}: this model has {', '.join(sorted(kinds))} layers, whose "
-                "state cannot be rolled back past rejected drafts; speculative decoding needs attention layers"
-            )
-        proposer, selection = build_proposer(self.parts, self.pm)
-        self.parts.selections["proposer"] = selection
-        self.runner.speculator = Speculator(
-            proposer, spec.num_speculative_tokens, self.parts.max_model_len,
-            int(self.parts.info.hf_config.vocab_size),
-        )
-
-    def _build_logits_processors(
-        self, sections: Mapping[str, Any], models: Mapping[str, Any]
-    ) -> list[LogitsProcessor]:
-        processors: list[LogitsProcessor] = []
-        for name in self.parts.config.logits_processors:
-            # Named in the config = requested explicitly: unknown, broken or incompatible fails loudly.
-            selection = select(self.pm, PluginKind.LOGITS_PROCESSOR, None, requested=name)
-            self.parts.selections[f"logits_processor[{name}]"] = selection
-            ctx = LogitsProcessorContext(
-                name, plugin_section(sections, name, models), int(self.parts.info.hf_config.vocab_size),
-                self.parts.device,
-            )
-            processors.append(selection.load()(ctx))
-        return processors
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one that can never run is failed alone (reported by the next step)."""

@@ -1,10 +1,32 @@
 """Frontend request preparation shared by LLMEngine (offline) and AsyncLLM (server): one place decides how a
-prompt becomes token ids, how params are completed, and how n > 1 fans out."""
+prompt becomes token ids, how params are completed, which ids end a sequence, and how n > 1 fans out.
+
+    RequestBuilder(tokenizer, ModelLimits.from_model(info, max_model_len), reject_unrunnable=...)
+        .build(request_id, prompt, params) ──▶ PreparedRequest: the OutputProcessor's samples and one
+                                               engine-core `Request` per sample
+
+NOTE(1) end-of-sequence ids, as vLLM: the *primary* EOS (`Request.eos_token_id`) is the tokenizer's
+`eos_token_id` (vLLM's InputPreprocessor.get_eos_token_id), and every id the model's generation config lists
+(LoadedModelInfo.eos_token_ids: generation_config.json / config.json, or the GGUF's eos/eot/eom) joins it in
+the ids that stop a sequence unless `ignore_eos` (vLLM's update_from_generation_config). Without a tokenizer
+the primary EOS is the first id the model lists. The frontends used to pick the primary EOS out of the set
+each their own way (an arbitrary set element offline, the smallest id in the server).
+
+NOTE(2) the one difference between the frontends is a policy, named here: the server rejects a request the
+core could never run (empty, out-of-vocabulary ids, too long for the context) at once, with the offending
+parameter (an OpenAI 400); the offline engine accepts it and the core finishes it alone, with finish_reason
+"error" and a message, so one bad prompt in a batch does not lose the others' results.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Container
+from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.protocols.loader import LoadedModelInfo
+from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -16,6 +38,107 @@ class RequestValidationError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked and completed against: the served model's context, vocabulary and EOS ids."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None  # the primary EOS (NOTE 1)
+    eos_token_ids: frozenset[int]  # every id that ends a sequence unless ignore_eos (NOTE 1)
+
+    @classmethod
+    def from_model(cls, info: LoadedModelInfo, max_model_len: int) -> ModelLimits:
+        primary, ids = eos_token_ids(info)
+        return cls(max_model_len, int(info.hf_config.vocab_size), primary, frozenset(ids))
+
+
+def eos_token_ids(info: LoadedModelInfo) -> tuple[int | None, list[int]]:
+    """(the primary EOS, every EOS id sorted): the tokenizer's eos and the model's listed ids (NOTE 1)."""
+    tokenizer_eos = getattr(info.tokenizer, "eos_token_id", None)
+    listed = [int(t) for t in info.eos_token_ids]
+    primary = int(tokenizer_eos) if tokenizer_eos is not None else (listed[0] if listed else None)
+    ids = set(listed)
+    if primary is not None:
+        ids.add(primary)
+    return primary, sorted(ids)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One frontend request, ready to queue: what the OutputProcessor tracks and what the core runs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    samples: list[tuple[str, SamplingParams]]  # (engine-core id, completed params) per sample
+    core_requests: list[Request]  # one per sample, in the same order
+
+
+class RequestBuilder:
+    """The frontends' one request-building sequence: id check, tokenize, validate (server policy, NOTE 2),
+    complete the params (max_tokens, stop ids), fan out n samples, build the engine-core requests."""
+
+    def __init__(self, tokenizer: Any | None, limits: ModelLimits, *, reject_unrunnable: bool) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.reject_unrunnable = reject_unrunnable
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def build(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        *,
+        in_use: Container[str] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> PreparedRequest:
+        """Raises RequestValidationError (a ValueError) for an id in `in_use` or a malformed prompt, and, with
+        `reject_unrunnable`, for a request the core could never run."""
+        if request_id in in_use:
+            raise RequestValidationError(f"request id {request_id!r} is already in use", "request_id")
+        prompt_text, prompt_ids = self.tokenize(prompt)
+        params = params or SamplingParams()
+        if self.reject_unrunnable:
+            self.validate(prompt_ids, params, prompt_param)
+        limits = self.limits
+        params = complete_params(params, len(prompt_ids), limits.max_model_len, set(limits.eos_token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        samples = fan_out(request_id, params)
+        requests = [
+            Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
+                    eos_token_id=limits.eos_token_id)
+            for core_id, child in samples
+        ]
+        return PreparedRequest(request_id, prompt_text, prompt_ids, arrival, samples, requests)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Reject what the core could never run (NOTE 2), naming the parameter to fix."""
+        max_len = self.limits.max_model_len
+        if not prompt_ids:
+            raise RequestValidationError("the prompt is empty", prompt_param)
+        vocab = self.limits.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", prompt_param)
+        if len(prompt_ids) >= max_len:
+            raise RequestValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, the prompt has "
+                f"{len(prompt_ids)} tokens, leaving no room for the completion.", prompt_param,
+            )
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise RequestValidationError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.", "max_tokens",
+            )
 
 
 def tokenize_prompt(tokenizer: Any | None, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -6,7 +6,6 @@ Shaped like vLLM's: add_request / step / abort_request / has_unfinished_requests
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any
 
 import torch
@@ -14,11 +13,10 @@ import torch
 from pagedllm.config import EngineConfig, flat_overrides
 from pagedllm.engine.builder import EngineParts, build_engine
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.input_processing import PromptType, complete_params, fan_out, tokenize_prompt
+from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
-from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
 
@@ -29,11 +27,11 @@ class LLMEngine:
         self.pm = plugin_manager or get_plugin_manager()
         # Plugin sections are validated (and `config_loaded` fires) before anything heavy is built.
         sections = self.pm.load_config(config)
-        self.parts: EngineParts = build_engine(config, self.pm)
-        self.core = EngineCore(self.parts, self.pm, sections)
+        self.parts: EngineParts = build_engine(config, self.pm, plugin_sections=sections)
+        self.core = EngineCore(self.parts, self.pm)
         self.tokenizer = self.parts.info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_ids()
+        self.requests = self._request_builder(ModelLimits.from_model(self.parts.info, self.parts.max_model_len))
         self._closed = False
         self.pm.hook.engine_started(engine=self)
 
@@ -59,15 +57,17 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.parts.max_model_len
 
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.parts.info.eos_token_ids)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is not None:
-            ids.add(int(eos))
-        return ids
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends a sequence unless ignore_eos (input_processing.py NOTE 1)."""
+        return set(self.requests.limits.eos_token_ids)
+
+    def _request_builder(self, limits: ModelLimits) -> RequestBuilder:
+        # input_processing.py NOTE 2: a request the core can never run is accepted and fails alone.
+        return RequestBuilder(self.tokenizer, limits, reject_unrunnable=False)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+        return self.requests.tokenize(prompt)
 
     def add_request(
         self,
@@ -77,20 +77,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. Malformed prompts raise ValueError; ones the core can never run (too long for the
-        context) are accepted and then finish with finish_reason "error" and a message, alone."""
+        """Queue a request. Malformed prompts (and ids in use) raise RequestValidationError, a ValueError; ones
+        the core can never run (too long for the context) are accepted and then finish with finish_reason
+        "error" and a message, alone (input_processing.py NOTE 2)."""
         if self._closed:
             raise RuntimeError("this engine was shut down; build a new LLM / LLMEngine to run more requests")
-        if request_id in self.processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self.tokenize(prompt)
-        params = complete_params(params, len(prompt_ids), self.max_model_len, self.eos_token_ids)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        samples = fan_out(request_id, params)
-        self.processor.add_request(request_id, prompt_text, prompt_ids, samples, arrival)
-        for core_id, child in samples:
-            request = Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
-                              eos_token_id=next(iter(self.eos_token_ids), None))
+        prepared = self.requests.build(
+            request_id, prompt, params, in_use=self.processor.requests, arrival_time=arrival_time, priority=priority
+        )
+        self.processor.add_request(
+            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.samples, prepared.arrival_time
+        )
+        for request in prepared.core_requests:
             self.pm.hook.request_added(request=request)
             self.core.add_request(request)
 

@@ -14,6 +14,7 @@ as -inf logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,7 +53,7 @@ class LogitsProcessor(Protocol):
 
 
 def apply_logits_processors(
-    logits: torch.Tensor, processors: list[LogitsProcessor], batch: LogitsBatch | None
+    logits: torch.Tensor, processors: Sequence[LogitsProcessor], batch: LogitsBatch | None
 ) -> torch.Tensor:
     """Run every processor in order; a shape change is a plugin bug, caught here rather than in sampling."""
     if not processors or batch is None:

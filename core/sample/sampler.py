@@ -16,6 +16,7 @@ The returned token ids stay on the logits' device: the caller decides when to sy
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,12 +66,12 @@ class SamplerOutput:
 class Sampler:
     """Stateless: everything per-request lives in SamplingMetadata (generators carry the seeded state).
 
-    `logits_processors` are the engine's configured processors (set once by the EngineCore after building;
-    empty by default, which costs nothing).
+    `logits_processors` are the engine's configured processors, fixed at construction (the builder makes the
+    runner's sampler with them: engine/runner_plugins.py); none by default, which costs nothing.
     """
 
-    def __init__(self, logits_processors: list[LogitsProcessor] | None = None) -> None:
-        self.logits_processors: list[LogitsProcessor] = list(logits_processors or [])
+    def __init__(self, logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V] (any float dtype). `logits` itself is not modified."""

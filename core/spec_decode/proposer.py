@@ -20,7 +20,6 @@ from pagedllm.selector import Selection, select
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig, SpeculativeConfig
-    from pagedllm.engine.builder import EngineParts
     from pagedllm.plugin_manager import PluginManager
 
 
@@ -76,20 +75,11 @@ class Proposer(Protocol):
         ...
 
 
-def build_proposer(parts: EngineParts, pm: PluginManager) -> tuple[Any, Selection]:
-    """Select the proposer named by `speculative.method` and build it for the engine `parts`."""
-    spec = parts.config.speculative
+def build_proposer(ctx: ProposerContext) -> tuple[Any, Selection]:
+    """Select the proposer named by `speculative.method` and build it with `ctx` (the target engine's facts)."""
+    spec = ctx.config
     assert spec.method is not None
-    selection = select(pm, PluginKind.PROPOSER, spec, requested=spec.method, requested_by="speculative.method")
-    ctx = ProposerContext(
-        config=spec,
-        engine_config=parts.config,
-        plugin_manager=pm,
-        device=parts.device,
-        dtype=parts.dtype,
-        vocab_size=int(parts.info.hf_config.vocab_size),
-        max_model_len=parts.max_model_len,
-        block_size=parts.block_size,
-        num_kv_blocks=parts.num_blocks,
+    selection = select(
+        ctx.plugin_manager, PluginKind.PROPOSER, spec, requested=spec.method, requested_by="speculative.method"
     )
     return selection.load()(ctx), selection

@@ -31,7 +31,7 @@ Cascade (NOTE 4). Decode-only steps of >= CASCADE_MIN_REQS requests also carry `
 flagged requests' first P tokens are in the same blocks (prefix caching shares them by block id), those of
 request s -- the requests whose first block is the step's most common one, found on the host from the block
 table each step, so a few requests without the shared system prompt do not switch the cascade off. Graphs of those sizes are captured with it (P = 0 in the dummy step), so a
-backend that reads it (triton_backend NOTE 3) can read the shared keys once per step inside a replay.
+backend that reads it (triton/backend.py NOTE 3) can read the shared keys once per step inside a replay.
 
 Graph memory: all sizes share one memory pool, captured largest first so smaller graphs reuse its blocks.
 

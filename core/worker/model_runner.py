@@ -108,7 +108,14 @@ class ModelRunner:
         block_sizes: list[int] | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        *,
+        sampler: Sampler | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
+        """:param sampler: the engine's sampler (with the config's logits processors); a plain one by default.
+        :param speculator: speculative decoding's proposer and verification (pagedllm.spec_decode.speculator);
+            None keeps every step exactly as without it.
+        Both are built by the engine's builder (engine/runner_plugins.py) and fixed for the runner's life."""
         self.model = model
         self.tp_rank, self.tp_size = tp_rank, tp_size  # this runner's tensor-parallel rank (NOTE 2)
         self.attn_backend = attn_backend
@@ -120,10 +127,8 @@ class ModelRunner:
             raise ValueError(f"block_sizes[0] ({self.block_sizes[0]}) must be block_size ({block_size})")
         self.device = device
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
-        # Speculative decoding (pagedllm.spec_decode.speculator.Speculator), set by the EngineCore when the
-        # config turns it on; None keeps every step exactly as without it.
-        self.speculator: Any = None
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.speculator = speculator
         self.states: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request continues its random stream when it resumes.
         self._generators: dict[str, torch.Generator] = {}
