@@ -135,6 +135,7 @@ RegisterEntrypoint = Register[None]
 RegisterLogitsProcessor = Register[None]
 RegisterExecutor = Register[ExecutorCheckContext]
 RegisterProposer = Register[ProposerCheckContext]
+RegisterCommand = Register[None]
 
 
 @hookspec
@@ -237,6 +238,20 @@ def register_proposers(register: RegisterProposer) -> None:
 
     :param register: call once per proposer; check() receives the config's `speculative` section
         (`ProposerCheckContext`).
+    """
+
+
+@hookspec
+def register_commands(register: RegisterCommand) -> None:
+    """Register `pagedllm` subcommands (pagedllm.protocols.command), by the subcommand's name.
+
+    `load()` returns an object (a module, usually) whose `add_parser(subparsers)` adds the subcommand named as
+    registered and sets `func` on its parser; `pagedllm` adds every registered command after its built-in
+    ones. A name clashing with a built-in command is refused, and a command whose `load()` or `add_parser`
+    fails is skipped, each with a warning naming its plugin and distribution (`pagedllm --help` still works).
+    `load()` runs whenever `pagedllm` builds its parser: it and the flags must not import torch.
+
+    :param register: call once per command; check() receives None.
     """
 
 

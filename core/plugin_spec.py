@@ -23,6 +23,7 @@ class PluginKind(enum.StrEnum):
     LOGITS_PROCESSOR = "logits_processor"
     PROPOSER = "proposer"
     EXECUTOR = "executor"
+    COMMAND = "command"
 
     @property
     def hook_name(self) -> str:
@@ -44,6 +45,7 @@ _HOOKS = {
     PluginKind.LOGITS_PROCESSOR: "register_logits_processors",
     PluginKind.PROPOSER: "register_proposers",
     PluginKind.EXECUTOR: "register_executors",
+    PluginKind.COMMAND: "register_commands",
 }
 _GROUPS = {
     PluginKind.ATTENTION: "pagedllm.attention_backends",
@@ -56,12 +58,14 @@ _GROUPS = {
     PluginKind.LOGITS_PROCESSOR: "pagedllm.logits_processors",
     PluginKind.PROPOSER: "pagedllm.proposers",
     PluginKind.EXECUTOR: "pagedllm.executors",
+    PluginKind.COMMAND: "pagedllm.commands",
 }
 # A light structural check at resolve time (STYLE.md failure policy): the object each kind's `load()` returns
 # must carry its protocol's required members (`required_members`), so a registration whose load() gives the
 # wrong thing fails when resolved, naming its plugin and distribution, instead of deep inside the engine.
 # Models and quantization configs are checked by building. Named here, imported at resolve time: the protocol
 # modules import torch (resolve() runs after load(), when it is imported anyway) and this module stays light.
+# The command protocol is the exception, typing only: `pagedllm --help` resolves every command plugin.
 _PROTOCOLS: dict[PluginKind, str] = {
     PluginKind.ATTENTION: "pagedllm.protocols.attention:AttentionBackend",
     PluginKind.SCHEDULER: "pagedllm.protocols.scheduler:Scheduler",
@@ -71,6 +75,7 @@ _PROTOCOLS: dict[PluginKind, str] = {
     PluginKind.PROPOSER: "pagedllm.spec_decode.proposer:Proposer",
     PluginKind.ENTRYPOINT: "pagedllm.protocols.entrypoint:Entrypoint",
     PluginKind.EXECUTOR: "pagedllm.protocols.executor:Executor",
+    PluginKind.COMMAND: "pagedllm.protocols.command:Command",
 }
 _OPTIONAL = "__pagedllm_optional__"
 _F = TypeVar("_F")

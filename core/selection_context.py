@@ -14,7 +14,7 @@ through a `Mapping`.
     quantization          the checkpoint's quantization_config, or None  QuantizationCheckContext
     proposer              the config's `speculative` section             ProposerCheckContext
     executor              the config's `parallel` section                ExecutorCheckContext
-    model, entrypoint, logits_processor                                  None
+    model, entrypoint, logits_processor, command                         None
 
 Light on purpose (typing only, no torch, no pydantic): registration modules import these through
 `pagedllm.api` while `pagedllm plugins` must stay fast.

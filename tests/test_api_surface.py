@@ -1,4 +1,5 @@
-"""docs/plugins/api.md lists exactly the names pagedllm.api exports, each resolves, and the top module is light."""
+"""docs/plugins/api.md lists exactly the names pagedllm.api exports, each resolves, and the top module (and
+pagedllm.api.cli) is light."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins" / "api.md"
 MODULES = ["pagedllm.api"] + [
     f"pagedllm.api.{m}"
     for m in ("attention", "kv", "sched", "model", "quantization", "loading", "kernels", "engine", "executor",
-              "spec_decode")
+              "spec_decode", "cli")
 ]
 
 
@@ -48,4 +49,10 @@ def test_every_api_module_is_listed() -> None:
 
 def test_the_top_module_does_not_import_torch() -> None:
     code = "import sys, pagedllm.api; assert 'torch' not in sys.modules, 'pagedllm.api imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_cli_module_does_not_import_torch() -> None:
+    # Command plugins declare their flags with it while `pagedllm --help` builds the parser.
+    code = "import sys, pagedllm.api.cli; assert 'torch' not in sys.modules, 'pagedllm.api.cli imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tiny_models import make_tiny_model
 
-from pagedllm.bench.report import ratios
-from pagedllm.bench.workloads import allowed_token_ids, parse_range, random_workload
 from pagedllm.cli.main import main
+from pagedllm.plugins.commands.bench.report import ratios
+from pagedllm.plugins.commands.bench.workloads import allowed_token_ids, parse_range, random_workload
 
 
 @pytest.fixture(scope="module")

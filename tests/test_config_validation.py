@@ -152,14 +152,15 @@ def test_config_validate_still_says_valid(tmp_path: Path, capsys: pytest.Capture
 def test_engine_commands_check_names_first_and_print_one_line(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pagedllm.cli import bench_cmd, chat_cmd, generate_cmd, serve_cmd
+    from pagedllm.cli import chat_cmd, generate_cmd, serve_cmd
+    from pagedllm.plugins.commands.bench import cli as bench_cli
 
     def reached(args: Any) -> int:
         raise AssertionError("the command ran: its config was not checked before dispatch")
 
     # Were the check missing, these would load a model or start a server; `config show` is light, so it runs.
     for module, name in [(generate_cmd, "run"), (chat_cmd, "run"), (serve_cmd, "run"),
-                         (bench_cmd, "_run_latency"), (bench_cmd, "_run_throughput")]:
+                         (bench_cli, "_run_latency"), (bench_cli, "_run_throughput")]:
         monkeypatch.setattr(module, name, reached)
     path = _write(tmp_path, {"scheduler": {"name": "priority"}})
     assert main([*command, "--config", str(path)]) == 2

@@ -1,4 +1,4 @@
-"""The fused CPU ops (core/layers/cpu_ops.c) against the layers' own torch code, the reference.
+"""The fused CPU ops (the gguf plugin's cpu_ops.c) against the layers' own torch code, the reference.
 
 Each layer is run twice on the same input, once with `cpu_ops` handed to it (as the engine builder does for
 a kept-quantized model) and once without. Rotary is bit-identical (cpu_ops.c NOTE 1); the norm, SiLU and
@@ -13,14 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from pagedllm.layers import cpu_ops as cpu_ops_module
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.cpu_ops import cpu_ops
-from pagedllm.layers.fused_ops import set_cpu_ops
+from pagedllm.layers.fused_ops import building
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+from pagedllm.plugins.quantization.gguf import cpu_ops as cpu_ops_module
+from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
 from pagedllm.protocols.attention import AttentionLayerConfig
+from pagedllm.protocols.model import KernelOptions
 from pagedllm.worker.input_prep import prepare_inputs
 
 
@@ -150,22 +151,16 @@ def test_mixed_step_keeps_torch_path(ops: Any) -> None:
     assert torch.equal(got, reference.forward(*qkv, cache.clone(), TorchSDPABackend.build_metadata(step.attn)))
 
 
-def test_set_cpu_ops_reaches_layers_and_attention(ops: Any) -> None:
-    from pagedllm.layers.attention import Attention
-
-    class Holder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = RMSNorm(8)
-            self.act = SiluAndMul()
-            self.attn = Attention.__new__(Attention)
-            torch.nn.Module.__init__(self.attn)
-            self.attn.impl = TorchSDPABackend.make_impl(AttentionLayerConfig(2, 8, 1, 1.0, None, None))
-
-    model = Holder()
-    assert set_cpu_ops(model, ops) == 3
-    assert model.norm.cpu_ops is ops and model.attn.impl.cpu_ops is ops
-    assert set_cpu_ops(model, None) == 3 and model.act.cpu_ops is None
+def test_the_build_hands_cpu_ops_to_layers_and_attention(ops: Any) -> None:
+    """Layers built inside `building(KernelOptions(cpu_ops=...))` take the ops at construction, and so does an
+    attention impl through its layer config; layers built outside get none (two engines may differ)."""
+    layer = AttentionLayerConfig(2, 8, 1, 1.0, None, None, cpu_ops=ops)
+    with building(KernelOptions(cpu_ops=ops)):
+        norm, act = RMSNorm(8), SiluAndMul()
+        impl = TorchSDPABackend.make_impl(layer)
+    assert norm.cpu_ops is ops and act.cpu_ops is ops and impl.cpu_ops is ops
+    assert RMSNorm(8).cpu_ops is None and SiluAndMul().cpu_ops is None
+    assert TorchSDPABackend.make_impl(AttentionLayerConfig(2, 8, 1, 1.0, None, None)).cpu_ops is None
 
 
 def test_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,8 +41,8 @@ CASES = [
 def _run() -> dict[str, Any]:
     import torch.nn.functional as F
 
-    from pagedllm.layers import dense_gemv_kernel as kernel
     from pagedllm.layers import split_k
+    from pagedllm.plugins.quantization.unquantized import dense_gemv_kernel as kernel
 
     results: dict[str, Any] = {}
     for i, (name, m, n, k, dtype_name, has_bias, blocks, gated) in enumerate(CASES):
@@ -111,7 +111,7 @@ def test_rule_keeps_cpu_and_large_batches_on_torch() -> None:
     """On the CPU, for 32-bit or big batches, or with the switch off, dense_linear is F.linear bit for bit."""
     import torch.nn.functional as F
 
-    from pagedllm.layers.dense_gemv import GEMV_TABLE, dense_linear, gemv_blocks
+    from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_TABLE, dense_linear, gemv_blocks
 
     x = torch.randn(1, 64, dtype=torch.float16)
     w = torch.randn(32, 64, dtype=torch.float16)
@@ -121,25 +121,28 @@ def test_rule_keeps_cpu_and_large_batches_on_torch() -> None:
     assert GEMV_TABLE == {} or all(k[0] <= 4 for k in GEMV_TABLE)
 
 
-def test_gated_down_leaves_cpu_to_the_two_launch_path() -> None:
+def test_folded_down_leaves_cpu_to_the_two_launch_path() -> None:
     from types import SimpleNamespace
 
-    from pagedllm.layers.activation import SiluAndMul
-    from pagedllm.layers.dense_gemv import gated_down
+    from pagedllm.layers.activation import SiluAndMul, fused_act_down
     from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.plugins.quantization.unquantized.method import UnquantizedConfig
     from pagedllm.protocols.model import ModelBuildContext
 
-    ctx = ModelBuildContext(SimpleNamespace(), torch.float16, torch.device("cpu"), None, None, 16, 0, 1)
+    ctx = ModelBuildContext(SimpleNamespace(), torch.float16, torch.device("cpu"), None, None, 16, 0, 1,
+                            dense_config=UnquantizedConfig(dense_gemv=True))
     down = ReplicatedLinear(ctx, 16, 8)
-    cast(Any, down.quant_method).dense_gemv = True
+    assert cast(Any, down.quant_method).dense_gemv
     act = SiluAndMul()
-    act.fold_into_gemv = True  # the A/B switch on (off by default: it lost on the H200)
-    assert gated_down(act, down, torch.randn(1, 32, dtype=torch.float16)) is None  # a CPU tensor
+    gate_up = torch.randn(1, 32, dtype=torch.float16)
+    assert fused_act_down(act, down, gate_up) is None  # the A/B switch off (the default: it lost on the H200)
+    act.fold_into_gemv = True
+    assert fused_act_down(act, down, gate_up) is None  # a CPU tensor
 
 
 def test_default_blocks_fill_the_gpu() -> None:
     """The default split brings each Llama-8B shape to >= ~4 programs per SM, one step per split at least."""
-    from pagedllm.layers.dense_gemv import default_blocks
+    from pagedllm.plugins.quantization.unquantized.dense_gemv import default_blocks
 
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         for m in (1, 2, 4):
@@ -151,22 +154,27 @@ def test_default_blocks_fill_the_gpu() -> None:
     assert default_blocks(1, 100, 40) == (8, 64, 1, 1)  # a tiny K: one narrow step
 
 
-def test_switch_reaches_linears_and_head() -> None:
-    """set_dense_gemv flips every dense linear's method and the LM head (the builder calls it from config)."""
+def test_switch_reaches_linears_and_head_at_construction() -> None:
+    """The dense config's switch reaches every dense linear's method and the dense LM head when they are built
+    (ModelBuildContext.dense_config); a context without one gets torch's plain matmul."""
     from types import SimpleNamespace
 
-    from pagedllm.layers.dense_gemv import set_dense_gemv
+    from pagedllm.layers.dense import DenseLinearMethod
     from pagedllm.layers.embedding import ParallelLMHead
     from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.plugins.quantization.unquantized.method import UnquantizedConfig, UnquantizedLinearMethod
     from pagedllm.protocols.model import ModelBuildContext
 
-    ctx = ModelBuildContext(SimpleNamespace(), torch.float32, torch.device("cpu"), None, None, 16, 0, 1)
-    model = torch.nn.ModuleDict({"a": ReplicatedLinear(ctx, 8, 8), "b": ReplicatedLinear(ctx, 8, 4),
-                                 "head": ParallelLMHead(ctx, 10, 8)})
-    assert set_dense_gemv(model, True) == 3
-    a, b, head = (cast(Any, model[key]) for key in ("a", "b", "head"))
-    assert a.quant_method.dense_gemv and head.dense_gemv
-    assert set_dense_gemv(model, False) == 3 and not b.quant_method.dense_gemv and not head.dense_gemv
+    def build(dense_config: Any) -> Any:
+        ctx = ModelBuildContext(SimpleNamespace(), torch.float32, torch.device("cpu"), None, None, 16, 0, 1,
+                                dense_config=dense_config)
+        return torch.nn.ModuleDict({"a": ReplicatedLinear(ctx, 8, 8), "head": ParallelLMHead(ctx, 10, 8)})
+
+    on, off, plain = build(UnquantizedConfig(dense_gemv=True)), build(UnquantizedConfig()), build(None)
+    assert cast(Any, on["a"]).quant_method.dense_gemv and cast(Any, on["head"]).dense_method.dense_gemv
+    assert not cast(Any, off["a"]).quant_method.dense_gemv and not cast(Any, off["head"]).dense_method.dense_gemv
+    assert isinstance(cast(Any, on["head"]).dense_method, UnquantizedLinearMethod)
+    assert type(cast(Any, plain["a"]).quant_method) is DenseLinearMethod
 
 
 def test_config_switch() -> None:
@@ -184,7 +192,7 @@ def test_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.layers import dense_gemv_kernel as t\n"
+        "from pagedllm.plugins.quantization.unquantized import dense_gemv_kernel as t\n"
         "fn = t._dense_gemv_kernel\n"
         "for rows, bn, bk, warps, even, bias, fused, gated, dt, pdl in (\n"
         "        (1, 8, 1024, 4, True, False, False, False, 'bf16', True),\n"

@@ -1,4 +1,4 @@
-"""The tutorial's package, examples/pagedllm-example-plugins, installed by pip and used through a config file.
+"""The example package, examples/pagedllm-example-plugins, installed by pip and used through a config file.
 
 pip builds and installs it (offline: no index, no build isolation, no dependencies) into a temporary
 `--target` folder put on sys.path — the shared virtual environment is never touched, and "uninstalling" is

@@ -61,8 +61,8 @@ def test_rule_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Why a call cannot take the kernel; the per-layer switch from the engine config (env PAGEDLLM_GATED_GEMM
     is the config key's override); off it the method declines before looking."""
     from pagedllm.config import EngineConfig
-    from pagedllm.layers.gated_gemm import maybe_gated_gemm, set_gated_gemm, unusable_reason
-    from pagedllm.layers.unquantized import UnquantizedLinearMethod
+    from pagedllm.plugins.quantization.unquantized.gated_gemm import maybe_gated_gemm, unusable_reason
+    from pagedllm.plugins.quantization.unquantized.method import UnquantizedConfig
 
     x, w = torch.randn(4096, 64), torch.randn(256, 64)
     assert unusable_reason(x, w, None, "relu") == "activation 'relu'"
@@ -73,15 +73,14 @@ def test_rule_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_GATED_GEMM", "true")
     assert EngineConfig.from_dict({}).gated_gemm is True
 
-    method = UnquantizedLinearMethod()
     layer = torch.nn.Module()
-    layer.quant_method = method  # type: ignore[assignment]
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     layer.register_parameter("bias", None)
-    model = torch.nn.Sequential(layer)
-    assert set_gated_gemm(model, False) == 1 and method.apply_act_and_mul(layer, x, "silu") is None
-    assert set_gated_gemm(model, True) == 1 and method.gated_gemm
-    assert method.apply_act_and_mul(layer, x, "silu") is None  # on, but the CPU declines
+    off = UnquantizedConfig.from_config({"gated_gemm": False}).get_method(layer, "mlp.gate_up_proj")
+    on = UnquantizedConfig.from_config({"gated_gemm": True}).get_method(layer, "mlp.gate_up_proj")
+    assert not off.gated_gemm and off.apply_act_and_mul(layer, x, "silu") is None
+    assert on.gated_gemm
+    assert on.apply_act_and_mul(layer, x, "silu") is None  # on, but the CPU declines
 
 
 def test_default_config_compiles_for_sm90() -> None:
@@ -92,8 +91,8 @@ def test_default_config_compiles_for_sm90() -> None:
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig\n"
-        "from pagedllm.layers import gated_gemm_kernel as g\n"
+        "from pagedllm.plugins.quantization.unquantized.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig\n"
+        "from pagedllm.plugins.quantization.unquantized import gated_gemm_kernel as g\n"
         "ws = GatedGemmConfig(128, 128, 64, 8, 3, warp_specialize=True)\n"
         "for c, fn, extra in ((DEFAULT_CONFIG, g._gated_gemm_kernel, {'WARP_SPECIALIZE': False}),\n"
         "                     (DEFAULT_CONFIG, g._gated_gemm_persistent_kernel, {'NUM_PROGRAMS': 132}),\n"
@@ -118,8 +117,8 @@ def _main() -> None:
     """Child: every case under the interpreter, one JSON line."""
     import json
 
-    from pagedllm.layers.gated_gemm import GatedGemmConfig
-    from pagedllm.layers.gated_gemm_kernel import gated_gemm
+    from pagedllm.plugins.quantization.unquantized.gated_gemm import GatedGemmConfig
+    from pagedllm.plugins.quantization.unquantized.gated_gemm_kernel import gated_gemm
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)

@@ -30,11 +30,11 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.formats.gguf_blocks import GGUFBlocks, dequantize_blocks
-from pagedllm.layers.cpu_ops import cpu_ops
 from pagedllm.layers.fused_ops import FusedOp
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.plugins.quantization.gguf import native as gguf_native
+from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
 from pagedllm.plugins.quantization.gguf.kernels import (
     NATIVE_GEMM_ROWS,
     GroupInt8Kernel,
@@ -184,7 +184,7 @@ def uses_gguf(engine: LLMEngine) -> bool:
 
 
 def uses_cpu_ops(engine: LLMEngine) -> bool:
-    """Whether the engine switched the fused C ops (pagedllm.layers.cpu_ops) on for its model's layers."""
+    """Whether the engine switched the fused C ops (the gguf plugin's cpu_ops) on for its model's layers."""
     return any(isinstance(m, FusedOp) and m.cpu_ops is not None for m in engine.core.parts.model.modules())
 
 

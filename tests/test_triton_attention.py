@@ -262,18 +262,18 @@ def test_decode_config_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.plugins.attention.triton.backend import _decode_config
     from pagedllm.plugins.attention.triton.tuning import DECODE, DECODE_BIG, DECODE_WIDE, MIXED
 
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=0))
-    assert _decode_config(512, 512, 1) is DECODE_WIDE
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=256))
-    assert _decode_config(256, 256, 1) is DECODE_BIG
-    assert _decode_config(255, 255, 1) is DECODE_WIDE  # too few requests
-    assert _decode_config(512, 256, 1) is DECODE_WIDE  # two tokens per request (speculative steps): not measured
-    assert _decode_config(256, 256, 2) is DECODE  # split-KV keeps DECODE
-    assert _decode_config(4096, 256, 1) is MIXED
+    never = plugin.TritonOptions(decode_big_min_seqs=0)
+    assert _decode_config(512, 512, 1, never) is DECODE_WIDE
+    big = plugin.TritonOptions(decode_big_min_seqs=256)
+    assert _decode_config(256, 256, 1, big) is DECODE_BIG
+    assert _decode_config(255, 255, 1, big) is DECODE_WIDE  # too few requests
+    assert _decode_config(512, 256, 1, big) is DECODE_WIDE  # two tokens per request (speculative steps): not measured
+    assert _decode_config(256, 256, 2, big) is DECODE  # split-KV keeps DECODE
+    assert _decode_config(4096, 256, 1, big) is MIXED
     assert DECODE_WIDE.heads_first and DECODE_BIG.heads_first
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(decode_big_min_seqs=256, decode_heads_first=False))
-    assert _decode_config(256, 256, 1) == replace(DECODE_BIG, heads_first=False)
-    assert _decode_config(100, 100, 1) == replace(DECODE_WIDE, heads_first=False)
+    not_first = plugin.TritonOptions(decode_big_min_seqs=256, decode_heads_first=False)
+    assert _decode_config(256, 256, 1, not_first) == replace(DECODE_BIG, heads_first=False)
+    assert _decode_config(100, 100, 1, not_first) == replace(DECODE_WIDE, heads_first=False)
     with pytest.raises(Exception, match="decode_big_min_seqs"):
         plugin.TritonOptions(decode_big_min_seqs=-1)
 
@@ -287,14 +287,16 @@ def test_split_decodes_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(0)
     mixed, _ = _batch([5, 8, 12, 0], [1, 1, 1, 7], 4, 16, gen)
     decodes, _ = _batch([5, 8, 12], [1, 1, 1], 4, 16, gen)
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
     assert TritonBackend.build_metadata(mixed).split_decodes is None
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(split_decodes_min=3))
-    md = TritonBackend.build_metadata(mixed)
+    three = TritonBackend.configure(plugin.TritonOptions(split_decodes_min=3))
+    md = three.build_metadata(mixed)
     assert md.split_decodes == 3 and md.rest_query_start_loc().tolist() == [0, 7]
-    assert TritonBackend.build_metadata(decodes).split_decodes is None
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(split_decodes_min=4))
-    assert TritonBackend.build_metadata(mixed).split_decodes is None
+    assert three.build_metadata(decodes).split_decodes is None
+    four = TritonBackend.configure(plugin.TritonOptions(split_decodes_min=4))
+    assert four.build_metadata(mixed).split_decodes is None
+    # Two configured backends in one process keep their own options (one per engine, no module global).
+    assert three.options.split_decodes_min == 3 and four.options.split_decodes_min == 4
+    assert TritonBackend.options.split_decodes_min == 0 and three.name == four.name == "triton"
 
 
 def _padding_case() -> dict[str, bool]:

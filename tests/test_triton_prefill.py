@@ -101,30 +101,28 @@ def test_fresh_route_default_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagedllm.plugins.attention import triton as plugin
     from pagedllm.plugins.attention.triton.backend import TritonBackend
 
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions())
-    assert plugin.options.fresh_prefill_min_tokens == 1024
+    assert TritonBackend.options.fresh_prefill_min_tokens == 1024
     assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1023, 900])).fresh_from is None
     assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1024, 900])).fresh_from == 1
-    monkeypatch.setattr(plugin, "options", plugin.TritonOptions(fresh_prefill_min_tokens=64))
-    assert TritonBackend.build_metadata(_common([5, 0, 0], [1, 1000, 900])).fresh_from == 1
+    low = TritonBackend.configure(plugin.TritonOptions(fresh_prefill_min_tokens=64))
+    assert low.build_metadata(_common([5, 0, 0], [1, 1000, 900])).fresh_from == 1
     with pytest.raises(Exception, match="fresh_prefill_min_tokens"):
         plugin.TritonOptions.model_validate({"fresh_prefill_min_tokens": 32})
 
 
 def test_fresh_route_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`plugins.triton.fresh_prefill: false` (validated, read through config_loaded) keeps every request on the
-    unified kernel."""
+    """`plugins.triton.fresh_prefill: false` (validated, bound to the engine's backend by `configure`) keeps every
+    request on the unified kernel."""
     from pagedllm.config import EngineConfig, validate_plugin_sections
     from pagedllm.plugins.attention import triton as plugin
     from pagedllm.plugins.attention.triton.backend import TritonBackend
     from pagedllm.plugins.attention.triton.tuning import FRESH_MIN_QUERY_LEN
 
     assert TritonBackend.cuda_graph_max_query_len < FRESH_MIN_QUERY_LEN
-    monkeypatch.setattr(plugin, "options", plugin.options)  # restored after the test
     config = EngineConfig.from_dict({"plugins": {"triton": {"fresh_prefill": False}}}, env={})
-    validate_plugin_sections(config, {"triton": plugin.TritonOptions})
-    plugin.config_loaded(config)
-    assert TritonBackend.build_metadata(_common([0], [100])).fresh_from is None
+    sections = validate_plugin_sections(config, {"triton": plugin.TritonOptions})
+    off = TritonBackend.configure(sections["triton"])
+    assert off.build_metadata(_common([0], [100])).fresh_from is None
     with pytest.raises(Exception, match="fresh_prefil"):
         plugin.TritonOptions.model_validate({"fresh_prefil": True})
 
@@ -267,16 +265,13 @@ def _backend_case() -> dict[str, Any]:
     ref_cache = cache.clone()
     ref = TorchSDPABackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], ref_cache,
                                                     TorchSDPABackend.build_metadata(common))
-    plugin.options = plugin.TritonOptions(fresh_prefill_min_tokens=64)  # the default (1024) is for real sizes
-    md = TritonBackend.build_metadata(common)
+    low = TritonBackend.configure(plugin.TritonOptions(fresh_prefill_min_tokens=64))  # 1024 is for real sizes
+    md = low.build_metadata(common)
     got_cache = cache.clone()
-    got = TritonBackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], got_cache, md)
-    plugin.options = plugin.TritonOptions(fresh_prefill=False)
-    try:
-        md_off = TritonBackend.build_metadata(common)
-        off = TritonBackend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], cache.clone(), md_off)
-    finally:
-        plugin.options = plugin.TritonOptions()
+    got = low.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], got_cache, md)
+    off_backend = TritonBackend.configure(plugin.TritonOptions(fresh_prefill=False))
+    md_off = off_backend.build_metadata(common)
+    off = off_backend.make_impl(layer).forward(q, kv[:, 0], kv[:, 1], cache.clone(), md_off)
     return {"fresh_from": md.fresh_from, "off_from": md_off.fresh_from,
             "rel_fresh": float((got - ref).norm() / ref.norm()), "rel_off": float((off - ref).norm() / ref.norm()),
             "cache_equal": bool(torch.equal(got_cache, ref_cache))}
@@ -295,14 +290,14 @@ def _engine_case() -> dict[str, Any]:
     from tiny_models import make_tiny_model
 
     routed = []
-    build = triton_backend.TritonBackend.build_metadata
+    build = triton_backend.TritonBackend.build_metadata.__func__  # type: ignore[attr-defined]
 
-    def spy(common: Any) -> Any:
-        md = build(common)
+    def spy(cls: Any, common: Any) -> Any:  # the engine's configured subclass comes in as cls
+        md = build(cls, common)
         routed.append(md.fresh_from is not None)
         return md
 
-    triton_backend.TritonBackend.build_metadata = staticmethod(spy)  # type: ignore[method-assign]
+    triton_backend.TritonBackend.build_metadata = classmethod(spy)  # type: ignore[method-assign, assignment]
     with tempfile.TemporaryDirectory() as root:
         path = make_tiny_model("qwen3", Path(root))
         prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 300 for j in range(n)]} for i, n in enumerate((70, 90))]

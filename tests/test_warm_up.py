@@ -124,7 +124,7 @@ def _main() -> None:
     import tempfile
 
     from pagedllm.plugins.attention.triton import backend as triton_backend
-    from pagedllm.plugins.attention.triton import triton_tuning
+    from pagedllm.plugins.attention.triton import tuning as triton_tuning
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)

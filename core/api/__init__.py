@@ -19,7 +19,9 @@ Implementation modules, imported when a component is used, take the rest from th
     pagedllm.api.quantization  quantization methods: the unquantized fallback, weight helpers
     pagedllm.api.loading       loaders: model info, HF folders, GGUF blocks
     pagedllm.api.kernels       the kernel toolkit (compile-ahead launches, NVRTC, native builds, PDL, split-K)
-    pagedllm.api.engine        entrypoints: engine config, async frontend, outputs, errors
+    pagedllm.api.engine        entrypoints and commands: engine config, async and offline frontends, outputs,
+                               errors
+    pagedllm.api.cli           command plugins (light): the engine's command-line flags and the config they give
     pagedllm.api.executor      executors: context, tensor-parallel worker and driver
     pagedllm.api.spec_decode   speculative proposers: context, requests, proposals
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 from pagedllm.hookspecs import (
     Register,
     RegisterAttentionBackend,
+    RegisterCommand,
     RegisterEntrypoint,
     RegisterExecutor,
     RegisterKVManager,
@@ -57,7 +60,7 @@ from pagedllm.selection_context import (
 # name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
 # removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
 # PAGEDLLM_PLUGIN_API = ">=1,<2" (integer clauses compare the major), or a minor they need: ">=1.1,<2".
-API_VERSION = "1.1.0"
+API_VERSION = "1.2.0"
 PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
 
 __all__ = [
@@ -77,6 +80,7 @@ __all__ = [
     "QuantizationCheckContext",
     "Register",
     "RegisterAttentionBackend",
+    "RegisterCommand",
     "RegisterEntrypoint",
     "RegisterExecutor",
     "RegisterKVManager",

@@ -1,4 +1,4 @@
-"""pagedllm.api.engine: What an entrypoint (server) plugin builds on: the engine config, the async frontend, outputs, errors.
+"""pagedllm.api.engine: What an entrypoint (server) or command plugin builds on: the engine config, the async and offline frontends, sampling parameters, outputs, errors.
 
 Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 """
@@ -9,18 +9,22 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestValidationError
 from pagedllm.engine.builder import build_engine, resolve_device
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.llm import LLM
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.plugin_manager import get_plugin_manager
+from pagedllm.sampling_params import SamplingParams
 
 __all__ = [
     "AsyncLLM",
     "EngineConfig",
     "EngineCore",
     "EngineDeadError",
+    "LLM",
     "Logprob",
     "QueueFullError",
     "RequestOutput",
     "RequestValidationError",
+    "SamplingParams",
     "build_engine",
     "get_plugin_manager",
     "resolve_device",

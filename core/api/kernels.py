@@ -10,6 +10,7 @@ from __future__ import annotations
 from pagedllm.layers.compile_ahead import launch
 from pagedllm.layers.cuda_rtc import RtcError, load_kernel
 from pagedllm.layers.cuda_rtc import launch as launch_rtc
+from pagedllm.layers.fused_ops import triton_available
 from pagedllm.layers.kv_cache_write import is_fp8, reshape_and_cache
 from pagedllm.layers.native_build import load_native
 from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
@@ -30,5 +31,6 @@ __all__ = [
     "split_k",
     "store_rows",
     "tickets",
+    "triton_available",
     "wait_primary",
 ]

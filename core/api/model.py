@@ -6,7 +6,7 @@ Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 
 from __future__ import annotations
 
-from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul, fused_gate_up_act
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul, fused_act_down, fused_gate_up_act
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.decoder import (
     STACKED_PARAMS,
@@ -15,7 +15,6 @@ from pagedllm.layers.decoder import (
     head_dim_of,
     layer_sliding_window,
 )
-from pagedllm.layers.dense_gemv import gated_down
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -33,7 +32,7 @@ from pagedllm.layers.weight_utils import (
     process_weights_after_loading,
     set_weight_attrs,
 )
-from pagedllm.protocols.model import ModelBuildContext
+from pagedllm.protocols.model import KernelOptions, ModelBuildContext
 
 __all__ = [
     "Attention",
@@ -42,6 +41,7 @@ __all__ = [
     "LlamaAttention",
     "LlamaMLP",
     "MergedColumnParallelLinear",
+    "KernelOptions",
     "ModelBuildContext",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -56,7 +56,7 @@ __all__ = [
     "WeightLoadError",
     "copy_checked",
     "fused_gate_up_act",
-    "gated_down",
+    "fused_act_down",
     "get_rope",
     "head_dim_of",
     "layer_sliding_window",

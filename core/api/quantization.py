@@ -6,16 +6,22 @@ Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 from __future__ import annotations
 
 from pagedllm.formats.layer_names import is_skipped
-from pagedllm.layers.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+from pagedllm.layers.dense import DenseConfig, DenseLinearMethod
 from pagedllm.layers.weight_utils import WeightLoadError, set_weight_attrs
-from pagedllm.protocols.quantization import QuantizationConfig, QuantizationMethod, RowMatmulMethod
+from pagedllm.protocols.quantization import (
+    CpuFusedOps,
+    QuantizationConfig,
+    QuantizationMethod,
+    RowMatmulMethod,
+)
 
 __all__ = [
+    "CpuFusedOps",
+    "DenseConfig",
+    "DenseLinearMethod",
     "QuantizationConfig",
     "QuantizationMethod",
     "RowMatmulMethod",
-    "UnquantizedConfig",
-    "UnquantizedLinearMethod",
     "WeightLoadError",
     "is_skipped",
     "set_weight_attrs",

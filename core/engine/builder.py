@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, plugin_section, validate_plugin_sections
 from pagedllm.default_model import resolve_model_reference
 from pagedllm.distributed.communication import tp_min
 from pagedllm.distributed.shard_check import check_tensor_parallel
@@ -29,14 +29,12 @@ from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedllm.layers.dense_gemv import set_dense_gemv
-from pagedllm.layers.fused_ops import set_cpu_ops, set_fused_ops
-from pagedllm.layers.gated_gemm import set_gated_gemm
+from pagedllm.layers.fused_ops import building
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
 from pagedllm.protocols.executor import ExecutorContext
 from pagedllm.protocols.loader import LoadedModelInfo
-from pagedllm.protocols.model import ModelBuildContext
+from pagedllm.protocols.model import KernelOptions, ModelBuildContext
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sched.base import SchedulerContext
 from pagedllm.selection_context import AttentionSelectionContext
@@ -162,8 +160,10 @@ def build_engine_parts(
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     tp_size = config.parallel.tensor_parallel_size
+    if plugin_sections is None:
+        plugin_sections = validate_plugin_sections(config, pm.config_models())
     source = _load_model_info(config, pm)
-    comps = _select_components(config, pm, source, tp_size)
+    comps = _select_components(config, pm, source, tp_size, plugin_sections)
     model = _build_and_load_model(config, source, comps, tp_rank, tp_size)
     clock("model and weights")
     kv = _plan_kv_cache(config, pm, model, comps, source.trained_len, tp_size)
@@ -235,15 +235,19 @@ class _Components:
     """Stage 2: the chosen architecture, attention backend and quantization, and where the model runs."""
 
     model_cls: Any
-    backend: Any  # an AttentionBackend class
+    backend: Any  # an AttentionBackend class, bound to its `plugins.<name>` section when it takes one
     quant_config: Any | None
+    dense_config: Any  # the `none` method's config: the dense layers' kernels (ModelBuildContext.dense_config)
+    kernels: KernelOptions  # the fused kernels every layer takes at construction
     device: torch.device
     dtype: torch.dtype
     block_size: int  # the config's (kv_cache.block_size)
     selections: dict[str, Selection]
 
 
-def _select_components(config: EngineConfig, pm: PluginManager, source: _ModelSource, tp_size: int) -> _Components:
+def _select_components(
+    config: EngineConfig, pm: PluginManager, source: _ModelSource, tp_size: int, sections: Mapping[str, Any]
+) -> _Components:
     hf_config = source.info.hf_config
     check_tensor_parallel(hf_config, tp_size)
     archs = list(getattr(hf_config, "architectures", None) or [])
@@ -253,9 +257,42 @@ def _select_components(config: EngineConfig, pm: PluginManager, source: _ModelSo
     dtype = resolve_dtype(config.dtype, hf_config, device)
     attention_sel = _select_attention(config, pm, hf_config, device, dtype)
     backend = attention_sel.load()
+    configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
+    if configure is not None:
+        backend = configure(plugin_section(sections, attention_sel.winner.name, pm.config_models()))
     quant_sel, quant_config = _select_quantization(config, pm, source.info, device)
-    selections = {"model": model_sel, "attention": attention_sel, "quantization": quant_sel}
-    return _Components(model_cls, backend, quant_config, device, dtype, config.kv_cache.block_size, selections)
+    dense_sel, dense_config = _select_dense(config, pm, quant_sel)
+    selections = {"model": model_sel, "attention": attention_sel, "quantization": quant_sel, **dense_sel}
+    kernels = _kernel_options(config, quant_config, device, dtype)
+    return _Components(model_cls, backend, quant_config, dense_config, kernels, device, dtype,
+                       config.kv_cache.block_size, selections)
+
+
+def _select_dense(config: EngineConfig, pm: PluginManager, quant_sel: Selection) -> tuple[dict[str, Selection], Any]:
+    """The `none` method's config for the layers every model keeps dense (all of an unquantized one's; a
+    quantized checkpoint's skipped layers and dense LM head), with the engine's dense kernel switches."""
+    if quant_sel.winner.name == "none":
+        selection, extra = quant_sel, {}
+    else:
+        selection = select(pm, PluginKind.QUANTIZATION, None, requested="none", requested_by="dense layers")
+        extra = {"dense": selection}
+    # `dense_gemv`: the Triton decode GEMV for dense 16-bit products (CUDA only; false is the A/B switch);
+    # `gated_gemm`: SiLU/GELU-and-mul in a prompt-sized gate_up GEMM's epilogue (CUDA sm_90+; off until measured).
+    options = {"dense_gemv": config.dense_gemv, "gated_gemm": config.gated_gemm}
+    return extra, selection.load().from_config(options)
+
+
+def _kernel_options(config: EngineConfig, quant_config: Any, device: torch.device, dtype: torch.dtype) -> KernelOptions:
+    """The fused kernels the model's layers take at construction (pagedllm.layers.fused_ops NOTE 1)."""
+    cpu_ops = None
+    provider = getattr(quant_config, "cpu_fused_ops", None)
+    if config.fused_ops and device.type == "cpu" and dtype == torch.float32 and provider is not None:
+        # NOTE: the CPU's C kernels (norm, rotary, SiLU-and-mul, decode attention) are not bit-identical to
+        # torch, so only a method whose outputs already differ from the float model brings them
+        # (layers/fused_ops.py NOTE 3); the dense CPU path stays bit-for-bit transformers'.
+        cpu_ops = provider()
+    # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
+    return KernelOptions(fused_ops="auto" if config.fused_ops else "off", cpu_ops=cpu_ops)
 
 
 def _select_attention(
@@ -310,34 +347,15 @@ def _select_quantization(
 def _build_and_load_model(
     config: EngineConfig, source: _ModelSource, comps: _Components, tp_rank: int, tp_size: int
 ) -> Any:
-    """Stage 3: the model built on its device, its weights loaded, its kernels chosen."""
+    """Stage 3: the model built on its device with its kernels chosen (the build context), its weights loaded."""
     ctx = ModelBuildContext(
         source.info.hf_config, comps.dtype, comps.device, comps.backend, comps.quant_config, comps.block_size,
-        tp_rank, tp_size,
+        tp_rank, tp_size, kernels=comps.kernels, dense_config=comps.dense_config,
     )
     model = _build_model(comps.model_cls, ctx)
     source.loader.load_weights(model, source.model_ref, source.info)
     model.eval()
-    _set_model_kernels(model, config, comps)
     return model
-
-
-def _set_model_kernels(model: Any, config: EngineConfig, comps: _Components) -> None:
-    """The kernel switches of a loaded model, all in one place."""
-    # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
-    set_fused_ops(model, "auto" if config.fused_ops else "off")
-    # The Triton decode GEMV for dense 16-bit linears (CUDA only); `dense_gemv: false` is the A/B switch.
-    set_dense_gemv(model, config.dense_gemv)
-    # SiLU/GELU-and-mul in a prompt-sized gate_up GEMM's epilogue (CUDA sm_90+ only); off until measured.
-    set_gated_gemm(model, config.gated_gemm)
-    if (config.fused_ops and comps.device.type == "cpu" and comps.dtype == torch.float32
-            and getattr(comps.quant_config, "cpu_fused_ops", False)):
-        # NOTE: the CPU's C kernels (norm, rotary, SiLU-and-mul, decode attention) are not bit-identical to
-        # torch, so only a method whose outputs already differ from the float model asks for them
-        # (layers/fused_ops.py NOTE 3); the dense CPU path stays bit-for-bit transformers'.
-        from pagedllm.layers.cpu_ops import cpu_ops
-
-        set_cpu_ops(model, cpu_ops())
 
 
 @dataclass(frozen=True)
@@ -553,7 +571,7 @@ def _build_model(model_cls: Any, ctx: ModelBuildContext) -> Any:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(ctx.dtype)
     try:
-        with ctx.device:
+        with ctx.device, building(ctx.kernels):
             return model_cls(ctx)
     finally:
         torch.set_default_dtype(previous)

@@ -45,7 +45,9 @@ class DataParallelLLMEngine(LLMEngine):
         self.pm.load_config(config)
         core, self.info, self.executor_selection = build_data_parallel_core(config, self.pm)
         self.parts = None  # type: ignore[assignment]  # no local model: the replicas hold the engines
-        self.core = core
+        # The data-parallel core (an executor plugin's, e.g. Ray replicas): EngineCore's methods plus the
+        # replicas' common max_model_len.
+        self.core: Any = core
         self.tokenizer = self.info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self.requests = self._request_builder(ModelLimits.from_model(self.info, self.max_model_len))

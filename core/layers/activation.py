@@ -51,3 +51,25 @@ def fused_gate_up_act(gate_up: nn.Module, act: nn.Module, x: torch.Tensor) -> to
         return None
     result: torch.Tensor | None = hook(gate_up, x, name)
     return result
+
+
+def fused_act_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(act(gate) * up) from one kernel when the activation module says `fold_into_gemv` (off by
+    default: an A/B switch) and the down projection's method offers `apply_act_then` and takes this call,
+    else None: the caller runs the activation and the projection as usual."""
+    if not getattr(act, "fold_into_gemv", False):  # first: every other call pays one attribute lookup per layer
+        return None
+    from pagedllm.layers.linear import ReplicatedLinear, RowParallelLinear
+
+    hook = getattr(getattr(down, "quant_method", None), "apply_act_then", None)
+    name = _ACTIVATION_NAMES.get(type(act))
+    if hook is None or name is None or not isinstance(down, (ReplicatedLinear, RowParallelLinear)):
+        return None
+    if down.bias is not None:
+        return None
+    y: torch.Tensor | None = hook(down, gate_up, name)
+    if y is not None and isinstance(down, RowParallelLinear):
+        from pagedllm.distributed.communication import tp_all_reduce
+
+        y = tp_all_reduce(y, down.tp_size)
+    return y

@@ -48,6 +48,7 @@ class Attention(nn.Module):
             scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            cpu_ops=ctx.kernels.cpu_ops,
         )
         self.impl = ctx.attn_backend.make_impl(self.layer_config)
         self.prefix = prefix

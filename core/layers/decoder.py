@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.layers.activation import SiluAndMul, fused_gate_up_act
+from pagedllm.layers.activation import SiluAndMul, fused_act_down, fused_gate_up_act
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.dense_gemv import gated_down
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weight_utils import StackedMapping
@@ -71,9 +70,9 @@ class LlamaMLP(nn.Module):
         if act is not None:
             return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
-        # The down GEMV may form silu(gate) * up itself (one launch fewer); off unless switched on: it measured
-        # slower on the H200 (layers/dense_gemv.py NOTE 3).
-        fused = gated_down(self.act_fn, self.down_proj, gate_up)
+        # The down projection may form silu(gate) * up itself (one launch fewer); off unless switched on: the
+        # dense GEMV's fold measured slower on the H200 (the unquantized plugin's dense_gemv.py NOTE 3).
+        fused = fused_act_down(self.act_fn, self.down_proj, gate_up)
         return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
 

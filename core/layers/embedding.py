@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.communication import tp_all_gather, tp_all_reduce
-from pagedllm.layers.dense_gemv import dense_linear
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
@@ -77,13 +76,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> vocab logits; may share its weight with the embedding (tie_word_embeddings).
 
-    `dense_gemv` (dense_gemv.set_dense_gemv) sends a dense head's decode-sized products to the Triton GEMV.
+    A dense head multiplies through the build's dense method (ModelBuildContext.dense_config: the engine's
+    decode GEMV on CUDA), as the dense linear layers do.
     """
-
-    dense_gemv: bool = False
 
     def __init__(self, ctx: ModelBuildContext, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(ctx, num_embeddings, embedding_dim)
+        from pagedllm.layers.linear import dense_method
+
+        self.dense_method = dense_method(ctx, self, "lm_head")
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Use the embedding's parameter as ours (one tensor, loaded once from embed_tokens)."""
@@ -101,6 +102,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if source.quant_method is not None:
             logits = source.quant_method.apply(source, hidden_states)
         else:
-            logits = dense_linear(hidden_states, self.weight, None, self.dense_gemv)
+            logits = self.dense_method.apply(self, hidden_states, None)
         logits = tp_all_gather(logits, self.tp_size, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -20,7 +20,7 @@ from torch import nn
 
 # tp_all_gather is re-exported for code that imported the collectives from here before they moved.
 from pagedllm.distributed.communication import tp_all_gather, tp_all_reduce  # noqa: F401
-from pagedllm.layers.unquantized import UnquantizedConfig
+from pagedllm.layers.dense import DenseConfig
 from pagedllm.layers.weight_utils import WeightLoadError, copy_checked, divide, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
@@ -60,8 +60,10 @@ class LinearBase(nn.Module):
         self.input_size_per_partition = input_size_per_partition
         self.output_partition_sizes = output_partition_sizes
         self.output_size_per_partition = sum(output_partition_sizes)
-        quant_config = ctx.quant_config if ctx.quant_config is not None else UnquantizedConfig()
-        self.quant_method = quant_config.get_method(self, prefix)
+        # A quantization config returns None for a layer it leaves dense (a skip list): the engine's dense
+        # method takes it, as it takes every layer of an unquantized model.
+        method = ctx.quant_config.get_method(self, prefix) if ctx.quant_config is not None else None
+        self.quant_method = method if method is not None else dense_method(ctx, self, prefix)
         self.quant_method.create_weights(self, input_size_per_partition, output_partition_sizes, ctx.dtype)
         self.bias: nn.Parameter | None
         if bias:
@@ -256,3 +258,8 @@ class RowParallelLinear(LinearBase):
         # The bias goes in after the reduction, otherwise it would be counted tp_size times.
         y = tp_all_reduce(self.quant_method.apply(self, x, None), self.tp_size)
         return y + self.bias if self.bias is not None else y
+
+
+def dense_method(ctx: ModelBuildContext, layer: nn.Module, prefix: str) -> Any:
+    """The build's dense method for `layer` (ModelBuildContext.dense_config; torch's matmul without one)."""
+    return (ctx.dense_config if ctx.dense_config is not None else DenseConfig()).get_method(layer, prefix)

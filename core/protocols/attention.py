@@ -81,6 +81,9 @@ class AttentionLayerConfig:
     scale: float
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    # The engine's CPU fused C kernels for this model (KernelOptions.cpu_ops), for an impl that runs their
+    # decode attention (CpuDecodeAttentionImpl); None for every other model.
+    cpu_ops: Any = None
 
 
 class AttentionImpl(Protocol):
@@ -98,7 +101,7 @@ class AttentionImpl(Protocol):
 
 class CpuDecodeAttentionImpl(Protocol):
     """Optional members of an impl whose one-token CPU decode runs the engine's C decode attention
-    (pagedllm.layers.cpu_ops, switched on by the engine for kept-quantized models on the CPU).
+    (KernelOptions.cpu_ops: the kernels a quantization method brings for its float32 CPU models).
 
     A model may then run a decode step as a flat list of C calls (the llama plugin's CPU decode plan) and ask
     the impl only these questions, never its internals; an impl without them is simply never taken that way.
@@ -116,6 +119,10 @@ class CpuDecodeAttentionImpl(Protocol):
 
 
 class AttentionBackend(Protocol):
+    """A backend class. Optional: `configure(options) -> AttentionBackend`, a classmethod the engine calls once
+    at build with the backend's validated `plugins.<name>` section, returning the backend bound to it (e.g. a
+    subclass holding the options), so two engines in one process may run different options."""
+
     name: ClassVar[str]
 
     @staticmethod

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 
 from pagedllm.kv_cache.spec import KVCacheSpec
+
+FusedMode = Literal["auto", "off", "always"]
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels a model's layers run, fixed when the model is built (one engine's choice: two engines in
+    one process may differ). Layers read them at construction (pagedllm.layers.fused_ops says how)."""
+
+    # The fused Triton norm / rotary / activation kernels: "auto" on CUDA tensors, "off" the torch code
+    # (config `fused_ops: false`), "always" on CPU tensors too through Triton's interpreter (tests only).
+    fused_ops: FusedMode = "auto"
+    # The CPU's fused C kernels (add+RMSNorm, rotary, SiLU-and-mul, decode attention; a CpuFusedOps from the
+    # quantization method that asks for them), or None: the torch code, bit for bit transformers'.
+    cpu_ops: Any = None
 
 
 @dataclass
@@ -23,6 +38,10 @@ class ModelBuildContext:
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+    # The dense method's config (the `none` quantization plugin's) for every layer the quantization config
+    # leaves dense and for a dense LM head; None: pagedllm.layers.dense's plain torch matmul.
+    dense_config: Any | None = None
 
 
 class CausalLM(Protocol):

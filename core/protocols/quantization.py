@@ -11,7 +11,7 @@ gated MLPs ask through pagedllm.layers.activation.fused_gate_up_act before runni
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,9 +50,27 @@ class RowMatmulMethod(Protocol):
         ...
 
 
+class CpuFusedOps(Protocol):
+    """The CPU's fused C kernels a quantization method may bring (its config's optional `cpu_fused_ops()`):
+    float32 CPU tensors only, not bit-identical to torch. Layers call its tensor wrappers (`add_rms_norm`,
+    `rotary_neox`, `silu_and_mul`, `decode_attention`: see the gguf plugin's cpu_ops.py); a model's per-step
+    plan (the llama plugin's CPU decode) binds pointers once and calls the C functions below directly."""
+
+    norm_fn: Any  # cpu_add_rms_norm(x, residual, w, eps, gemma, rows, h, out, residual_out)
+    rotary_fn: Any  # cpu_rotary_neox(q, q_row, q_heads, k, k_row, k_heads, head, rows, pos, cos, sin, half)
+    silu_fn: Any  # cpu_silu_and_mul(x, rows, d, out)
+    attn_fn: Any  # cpu_decode_attention(...): write each decode's K/V row, then attend (0, or an error code)
+
+
 class QuantizationConfig(Protocol):
     """A checkpoint's (or the config's) quantization choice; hands out a method per layer."""
 
     name: str
 
-    def get_method(self, layer: torch.nn.Module, prefix: str) -> QuantizationMethod: ...
+    def get_method(self, layer: torch.nn.Module, prefix: str) -> QuantizationMethod | None:
+        """The method for `layer`, or None to leave it dense (the engine's dense method then takes it).
+
+        Optional members: `get_embedding_method(layer)` (pagedllm.layers.embedding), `cpu_fused_ops()` -> a
+        CpuFusedOps or None (the CPU's fused C kernels for this method's float32 models).
+        """
+        ...

@@ -171,6 +171,7 @@ class ModelRunner:
         plan = self._graph_plan(sizes, query_lens)
         if plan is None:
             return []
+        assert self._buffers is not None  # a graph plan exists only with the step buffers (CUDA)
         graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
         with torch.inference_mode():
             graphs.capture(plan[0], self.block_sizes, plan[1])
@@ -201,6 +202,7 @@ class ModelRunner:
         def walk() -> None:
             with torch.inference_mode():
                 if plan is not None:
+                    assert self._buffers is not None  # as in capture_cuda_graphs
                     graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
                     steps.append(graphs.compile_ahead(plan[0], self.block_sizes, plan[1]))
                 steps.append(len(self._run_warm_up_kinds()))

@@ -26,7 +26,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 from fused_ops_bench import graph_us  # noqa: E402
 
-from pagedllm.layers.gated_gemm_kernel import _tile_of  # noqa: E402  (the grouped tile order)
+from pagedllm.plugins.quantization.unquantized.gated_gemm_kernel import _tile_of  # noqa: E402  (the grouped tile order)
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 CONFIGS = [  # (BM, BN, BK, warps, stages)

@@ -40,9 +40,9 @@ def main() -> int:
     ap.add_argument("--ms", default="16384,8192,4096,2048")
     ap.add_argument("--out", default="gated_gemm_sweep.json")
     args = ap.parse_args()
-    from pagedllm.layers.gated_gemm import GatedGemmConfig
-    from pagedllm.layers.gated_gemm_kernel import gated_gemm
     from pagedllm.layers.triton_ops import act_and_mul
+    from pagedllm.plugins.quantization.unquantized.gated_gemm import GatedGemmConfig
+    from pagedllm.plugins.quantization.unquantized.gated_gemm_kernel import gated_gemm
 
     def unfused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return act_and_mul(F.linear(x, w))

@@ -111,9 +111,9 @@ class TorchSDPAImpl:
         self.group = layer.num_heads // layer.num_kv_heads
         self.k_scale = 1.0  # fp8 KV cache only: stored = x / scale (see the module docstring)
         self.v_scale = 1.0
-        # A pagedllm.layers.cpu_ops.CpuOps when the engine switched the CPU's C kernels on for this model
-        # (layers/fused_ops.py NOTE 3): decode-only float32 steps then write and attend in one C call.
-        self.cpu_ops: Any = None
+        # The CPU fused C kernels when the engine built this model with them (AttentionLayerConfig.cpu_ops,
+        # pagedllm.layers.fused_ops NOTE 3): decode-only float32 steps then write and attend in one C call.
+        self.cpu_ops: Any = layer.cpu_ops
 
     def forward(
         self,

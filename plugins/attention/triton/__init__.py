@@ -48,10 +48,6 @@ class TritonOptions(BaseModel):
     )
 
 
-# The options of the engine configured last in this process (config_loaded); the backend reads them per step.
-options = TritonOptions()
-
-
 def _load() -> Any:
     from pagedllm.plugins.attention.triton.backend import TritonBackend
 
@@ -83,9 +79,3 @@ def register_attention_backends(register: RegisterAttentionBackend) -> None:
         "triton", _load, priority=50, requires=("triton",), check=_check, config_model=TritonOptions,
         description="Triton paged attention (unified prefill+decode, split-KV decode, TMA fresh prefill)",
     )
-
-
-@hookimpl
-def config_loaded(config: Any) -> None:
-    global options
-    options = TritonOptions.model_validate(config.plugins.get("triton", {}))

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from pagedllm.api.attention import AttentionLayerConfig, CommonAttentionMetadata
-from pagedllm.plugins.attention import triton as triton_plugin
+from pagedllm.plugins.attention.triton import TritonOptions
 from pagedllm.plugins.attention.triton.tuning import FRESH_MIN_QUERY_LEN
 
 # Programs we want in flight for one decode launch, per SM (NOTES 1, 2); measured by h200_check.py stage b.
@@ -163,7 +163,8 @@ def choose_prefix_segments(rows: int, num_kv_heads: int, num_sms: int) -> int:
 class TritonImpl:
     """One layer: reshape_and_cache, then the unified kernel (split-KV when the metadata asks)."""
 
-    def __init__(self, layer: AttentionLayerConfig) -> None:
+    def __init__(self, layer: AttentionLayerConfig, options: TritonOptions | None = None) -> None:
+        self.options = options or TritonOptions()
         self.num_heads = layer.num_heads
         self.num_kv_heads = layer.num_kv_heads
         self.head_size = layer.head_size
@@ -226,7 +227,7 @@ class TritonImpl:
         unified_attention(
             query, kv_cache, out, query_start_loc, seq_lens, block_table, num_seqs=num_seqs, num_tokens=num_tokens,
             scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap, num_segments=segments,
-            k_scale=self.k_scale, v_scale=self.v_scale, config=_decode_config(num_tokens, num_seqs, segments),
+            k_scale=self.k_scale, v_scale=self.v_scale, config=_decode_config(num_tokens, num_seqs, segments, self.options),
             **cascade,
         )
 
@@ -275,6 +276,8 @@ class TritonBackend:
     """Paged attention in Triton: fp32/fp16/bf16 (fp8 KV cache), GQA, sliding window, soft-cap, split-KV."""
 
     name: ClassVar[str] = "triton"
+    # The engine's `plugins.triton` section, bound by `configure` (the class itself runs the defaults).
+    options: ClassVar[TritonOptions] = TritonOptions()
     # The metadata holds only the common tensors and values fixed by the batch size: a decode step can be
     # captured in a CUDA graph and replayed with new contents in the same buffers.
     supports_cuda_graphs: ClassVar[bool] = True
@@ -286,31 +289,36 @@ class TritonBackend:
         """The torch backend's layout: K and V stacked on a leading axis of 2, each NHD blocks."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    @staticmethod
-    def build_metadata(common: CommonAttentionMetadata) -> TritonMetadata:
+    @classmethod
+    def configure(cls, options: TritonOptions) -> type[TritonBackend]:
+        """This backend bound to one engine's `plugins.triton` section (AttentionBackend's optional member):
+        a subclass per engine, so two engines in one process may run different options."""
+        return type(cls.__name__, (cls,), {"options": TritonOptions.model_validate(options)})
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
         """Note whether the batch is decode-only (split-KV candidates) and where its run of fresh prefills
         starts (NOTE 4); no device reads."""
         decode_only = common.num_reqs > 0 and common.num_decodes == common.num_reqs
-        options = triton_plugin.options
+        options = cls.options
         fresh_from = fresh_run_start(common, options.fresh_prefill_min_tokens) if options.fresh_prefill else None
         threshold = options.split_decodes_min
         split = common.num_decodes if threshold and not decode_only and common.num_decodes >= threshold else None
         return TritonMetadata(common, decode_only, _num_sms(common.block_table.device), fresh_from=fresh_from,
                               split_decodes=split)
 
-    @staticmethod
-    def make_impl(layer: AttentionLayerConfig) -> TritonImpl:
-        """One impl per attention layer."""
-        return TritonImpl(layer)
+    @classmethod
+    def make_impl(cls, layer: AttentionLayerConfig) -> TritonImpl:
+        """One impl per attention layer, with this engine's options."""
+        return TritonImpl(layer, cls.options)
 
 
-def _decode_config(num_tokens: int, num_seqs: int, segments: int) -> Any:
+def _decode_config(num_tokens: int, num_seqs: int, segments: int, options: TritonOptions) -> Any:
     """triton_tuning's entry for the step with the plugin's decode switches applied: DECODE_BIG for a
     decode-only, unsplit step of at least `plugins.triton.decode_big_min_seqs` requests (triton/tuning.py NOTE 7),
     the default launch order when `plugins.triton.decode_heads_first` is off (NOTE 8). Host integers only."""
     from pagedllm.plugins.attention.triton.tuning import DECODE_BIG, choose_config
 
-    options = triton_plugin.options
     threshold = options.decode_big_min_seqs
     if threshold and segments == 1 and num_tokens == num_seqs >= threshold:
         config = DECODE_BIG

@@ -1,7 +1,9 @@
-"""`pagedllm bench throughput|latency`: offline benchmarks against transformers and llama.cpp baselines.
+"""`pagedllm bench throughput|latency|serve`: offline benchmarks against transformers and llama.cpp baselines,
+and a load generator for OpenAI-compatible servers.
 
-The work lives in `pagedllm.bench`; this module only declares flags, so `pagedllm --help` stays fast and
-never imports torch, transformers or llama_cpp.
+The work lives in this package's other modules; this one only declares flags (it is what the command
+registration's `load()` returns: `add_parser`), so `pagedllm --help` stays fast and never imports torch,
+transformers or llama_cpp.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.cli.engine_args import add_engine_args
+from pagedllm.api.cli import add_engine_args
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -66,7 +68,8 @@ def add_parser(sub: Any) -> None:
     add_engine_args(lat)
     lat.set_defaults(func=_run_latency)
 
-    from pagedllm.bench.serve_load import add_serve_arguments  # light: no torch, no httpx at import
+    # Light: serve_load imports neither torch nor httpx at import.
+    from pagedllm.plugins.commands.bench.serve_load import add_serve_arguments
 
     srv = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (ours or another engine's)")
     add_serve_arguments(srv)
@@ -74,26 +77,26 @@ def add_parser(sub: Any) -> None:
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
-    from pagedllm.bench.throughput import run_throughput_cli
+    from pagedllm.plugins.commands.bench.throughput import run_throughput_cli
 
     return _reporting_workload_errors(run_throughput_cli, args)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from pagedllm.bench.serve_load import run_serve_cli
+    from pagedllm.plugins.commands.bench.serve_load import run_serve_cli
 
     return run_serve_cli(args)
 
 
 def _run_latency(args: argparse.Namespace) -> int:
-    from pagedllm.bench.latency import run_latency_cli
+    from pagedllm.plugins.commands.bench.latency import run_latency_cli
 
     return _reporting_workload_errors(run_latency_cli, args)
 
 
 def _reporting_workload_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """A workload the engine cannot run is a usage error (exit 2 with the reason), not a traceback."""
-    from pagedllm.bench.workloads import WorkloadError
+    from pagedllm.plugins.commands.bench.workloads import WorkloadError
 
     try:
         return run(args)

@@ -18,7 +18,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from pagedllm.bench.report import Result
+from pagedllm.plugins.commands.bench.report import Result
 
 _CACHE: dict[str, Any] = {}  # in the child: the engine (or llama.cpp) it loaded once
 
@@ -63,8 +63,8 @@ def ours_latency_job(
     args: argparse.Namespace, iterations: list[list[list[int]]], output_len: int, warm: list[list[int]] | None
 ) -> Result:
     """Child body: build our engine from `args` on the first call, then time `iterations` (latency.run_ours)."""
-    from pagedllm.bench.latency import run_ours
-    from pagedllm.bench.target import BenchTarget
+    from pagedllm.plugins.commands.bench.latency import run_ours
+    from pagedllm.plugins.commands.bench.target import BenchTarget
 
     target = _CACHE.get("engine")
     if target is None:
@@ -80,7 +80,7 @@ def llamacpp_latency_job(
     gguf: str, threads: int, iterations: list[list[list[int]]], output_len: int, warmup: bool
 ) -> Result:
     """Child body: load llama.cpp on the first call, then time `iterations`."""
-    from pagedllm.bench.llamacpp_baseline import llamacpp_latency, load_llamacpp
+    from pagedllm.plugins.commands.bench.llamacpp_baseline import llamacpp_latency, load_llamacpp
 
     llama = _CACHE.get("llama")
     if llama is None:

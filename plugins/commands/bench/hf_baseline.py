@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.bench.report import Result, gaps, latency_result
-from pagedllm.bench.target import BenchTarget
-from pagedllm.bench.workloads import Workload, WorkloadError
+from pagedllm.plugins.commands.bench.report import Result, gaps, latency_result
+from pagedllm.plugins.commands.bench.target import BenchTarget
+from pagedllm.plugins.commands.bench.workloads import Workload, WorkloadError
 
 
 def load_hf_model(target: BenchTarget, dtype: str = "float32") -> Any:

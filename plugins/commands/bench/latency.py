@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.bench import report
-from pagedllm.bench.report import OURS, Result, gaps, latency_result
-from pagedllm.bench.target import BenchTarget, kv_delta, load_average, thread_count
-from pagedllm.bench.workloads import Workload, WorkloadError, allowed_token_ids, check_fits
+from pagedllm.plugins.commands.bench import report
+from pagedllm.plugins.commands.bench.report import OURS, Result, gaps, latency_result
+from pagedllm.plugins.commands.bench.target import BenchTarget, kv_delta, load_average, thread_count
+from pagedllm.plugins.commands.bench.workloads import Workload, WorkloadError, allowed_token_ids, check_fits
 
 _COLUMNS = [
     ("ttft_ms_p50", "TTFT p50 ms"),
@@ -134,7 +134,7 @@ def _run_rounds(
     NOTE(2): rounds alternate the engines so that a change of load on a shared machine falls on all of them
     alike; `rounds_decode_tok_per_s` keeps each round's figure to show the spread.
     """
-    from pagedllm.bench.engine_worker import (
+    from pagedllm.plugins.commands.bench.engine_worker import (
         EngineWorker,
         llamacpp_latency_job,
         ours_latency_job,
@@ -206,7 +206,7 @@ def _variants_vs_llamacpp(results: dict[str, Result]) -> dict[str, dict[str, flo
 
 
 def _llamacpp_reason(args: argparse.Namespace, target: BenchTarget) -> str | None:
-    from pagedllm.bench.llamacpp_baseline import unavailable_reason
+    from pagedllm.plugins.commands.bench.llamacpp_baseline import unavailable_reason
 
     reason = unavailable_reason(target)
     if reason is None and args.batch_size != 1:
@@ -215,7 +215,7 @@ def _llamacpp_reason(args: argparse.Namespace, target: BenchTarget) -> str | Non
 
 
 def _run_hf(args: argparse.Namespace, target: BenchTarget, iterations: list[list[list[int]]]) -> Result:
-    from pagedllm.bench.hf_baseline import hf_latency, load_hf_model
+    from pagedllm.plugins.commands.bench.hf_baseline import hf_latency, load_hf_model
 
     model = load_hf_model(target, args.hf_dtype)
     print("transformers: timing ...", flush=True)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from pagedllm.bench.report import Result, gaps, latency_result
-from pagedllm.bench.target import BenchTarget
-from pagedllm.bench.workloads import Workload
+from pagedllm.plugins.commands.bench.report import Result, gaps, latency_result
+from pagedllm.plugins.commands.bench.target import BenchTarget
+from pagedllm.plugins.commands.bench.workloads import Workload
 
 
 def unavailable_reason(target: BenchTarget) -> str | None:

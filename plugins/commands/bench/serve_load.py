@@ -205,7 +205,7 @@ def format_report(summary: dict[str, Any]) -> str:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of `pagedllm bench serve` (for core/cli/bench_cmd.py)."""
+    """Flags of `pagedllm bench serve` (declared by cli.py)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     p.add_argument("--model", default=None, help="model id to send (default: the server's)")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")

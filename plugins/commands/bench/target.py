@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.bench.workloads import Workload
+from pagedllm.plugins.commands.bench.workloads import Workload
 
 
 @dataclass
@@ -31,8 +31,8 @@ class BenchTarget:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchTarget:
-        from pagedllm.cli.engine_args import engine_config_from_args
-        from pagedllm.engine.llm import LLM
+        from pagedllm.api.cli import engine_config_from_args
+        from pagedllm.api.engine import LLM
 
         config = engine_config_from_args(args)
         t0 = time.perf_counter()
@@ -92,7 +92,7 @@ class BenchTarget:
 
     def generate(self, workload: Workload, temperature: float = 0.0) -> list[Any]:
         """Run the whole workload through `LLM.generate`; each request makes exactly its output length."""
-        from pagedllm.sampling_params import SamplingParams
+        from pagedllm.api.engine import SamplingParams
 
         params = [
             SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=temperature, detokenize=False)
@@ -108,7 +108,7 @@ class BenchTarget:
         return outputs
 
     def shutdown(self) -> None:
-        self.llm.engine.shutdown()
+        self.llm.shutdown()
 
 
 def kv_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.bench import report
-from pagedllm.bench.report import OURS, Result
-from pagedllm.bench.target import BenchTarget, kv_delta, load_average, thread_count
-from pagedllm.bench.workloads import (
+from pagedllm.plugins.commands.bench import report
+from pagedllm.plugins.commands.bench.report import OURS, Result
+from pagedllm.plugins.commands.bench.target import BenchTarget, kv_delta, load_average, thread_count
+from pagedllm.plugins.commands.bench.workloads import (
     Workload,
     allowed_token_ids,
     check_fits,
@@ -76,7 +76,7 @@ def run_ours(target: BenchTarget, workload: Workload, warmup: Workload | None) -
 
 
 def run_hf(args: argparse.Namespace, target: BenchTarget, workload: Workload) -> Result:
-    from pagedllm.bench.hf_baseline import hf_throughput, load_hf_model
+    from pagedllm.plugins.commands.bench.hf_baseline import hf_throughput, load_hf_model
 
     t0 = time.perf_counter()
     model = load_hf_model(target, args.hf_dtype)
@@ -91,7 +91,11 @@ def run_hf(args: argparse.Namespace, target: BenchTarget, workload: Workload) ->
 
 
 def run_llamacpp(args: argparse.Namespace, target: BenchTarget, workload: Workload, threads: int) -> Result:
-    from pagedllm.bench.llamacpp_baseline import run_isolated, throughput_job, unavailable_reason
+    from pagedllm.plugins.commands.bench.llamacpp_baseline import (
+        run_isolated,
+        throughput_job,
+        unavailable_reason,
+    )
 
     reason = unavailable_reason(target)
     if reason is not None:

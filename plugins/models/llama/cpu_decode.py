@@ -51,7 +51,7 @@ class CpuDecodePlan:
         ops = norm.cpu_ops
         assert ops is not None
         self.ops = ops
-        self._norm, self._rotary, self._silu, self._attn = ops._norm, ops._rotary, ops._silu, ops._attn
+        self._norm, self._rotary, self._silu, self._attn = ops.norm_fn, ops.rotary_fn, ops.silu_fn, ops.attn_fn
         self.final_norm = (norm.weight.data_ptr(), float(norm.eps), int(norm.gemma))
         self.hidden = int(norm.weight.shape[0])
         first = model.layers[0]

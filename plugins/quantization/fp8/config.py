@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from pagedllm.api.quantization import UnquantizedLinearMethod, is_skipped
+from pagedllm.api.quantization import is_skipped
 from pagedllm.plugins.quantization.fp8 import fp8_reasons
 from pagedllm.plugins.quantization.fp8.compressed_tensors import compressed_tensors_reasons
 from pagedllm.plugins.quantization.fp8.method import Fp8LinearMethod, Fp8Scheme
@@ -41,9 +41,9 @@ class _Fp8ConfigBase:
         self.scheme = scheme
         self.skipped = skipped
 
-    def get_method(self, layer: nn.Module, prefix: str) -> Fp8LinearMethod | UnquantizedLinearMethod:
+    def get_method(self, layer: nn.Module, prefix: str) -> Fp8LinearMethod | None:
         if is_skipped(prefix, self.skipped):
-            return UnquantizedLinearMethod()
+            return None  # left dense: the engine's dense method takes the layer
         return Fp8LinearMethod(self.scheme)
 
 

@@ -141,10 +141,20 @@ class GGUFConfig:
         self.embedding = embedding
         self.cache_dequantized = cache_dequantized
         self.cpu_kernel = cpu_kernel
-        # The engine may run this model's norms, rotary, activation and decode attention as C kernels on the
-        # CPU (pagedllm.layers.cpu_ops): kept-quantized outputs are compared with the dequantized model's
-        # greedy tokens, not bit for bit. Not with the aten kernels, the path before gguf_cpu.c (for A/B runs).
-        self.cpu_fused_ops = cpu_kernel != "aten"
+
+    def cpu_fused_ops(self) -> Any:
+        """The CPU fused C kernels (cpu_ops.c: norms, rotary, activation, decode attention) for this model's
+        layers, or None (QuantizationConfig's optional member; the engine asks only for a float32 CPU model).
+
+        Kept-quantized outputs are compared with the dequantized model's greedy tokens, not bit for bit, so
+        this method may bring kernels that are not bit-identical to torch. Not with the aten kernels, the path
+        before gguf_cpu.c (for A/B runs); None too where no C compiler built them.
+        """
+        if self.cpu_kernel == "aten":
+            return None
+        from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
+
+        return cpu_ops()
 
     @classmethod
     def from_config(cls, config: dict[str, Any] | None = None) -> GGUFConfig:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from pagedllm.api.quantization import UnquantizedLinearMethod, is_skipped
+from pagedllm.api.quantization import is_skipped
 from pagedllm.plugins.quantization.w4a16.awq import awq_reasons
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 from pagedllm.plugins.quantization.w4a16.method import PackedIntLinearMethod
@@ -40,7 +40,7 @@ class AWQConfig:
         group = config.get("group_size", config.get("q_group_size"))
         return cls(int(group), skip)  # type: ignore[arg-type]  # awq_reasons checked it is an int
 
-    def get_method(self, layer: nn.Module, prefix: str) -> PackedIntLinearMethod | UnquantizedLinearMethod:
+    def get_method(self, layer: nn.Module, prefix: str) -> PackedIntLinearMethod | None:
         if is_skipped(prefix, lambda name: any(s in name for s in self.modules_to_not_convert)):
-            return UnquantizedLinearMethod()
+            return None  # left dense: the engine's dense method takes the layer
         return PackedIntLinearMethod(self.layout)

@@ -1,4 +1,5 @@
-"""Registers the unquantized method: plain dense weights in the model dtype (the default)."""
+"""Registers the unquantized method `none`: dense weights in the model dtype (the default), with the GPU's
+dense kernels (a decode GEMV, a gated GEMM; method.py). Light module: no torch import here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pagedllm.api import RegisterQuantizationMethod, hookimpl
 
 
 def _load() -> Any:
-    from pagedllm.api.quantization import UnquantizedConfig
+    from pagedllm.plugins.quantization.unquantized.method import UnquantizedConfig
 
     return UnquantizedConfig
 

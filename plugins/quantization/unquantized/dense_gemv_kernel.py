@@ -52,10 +52,16 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.compile_ahead import launch
-from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
-from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
-from pagedllm.layers.split_k import reduce_split, split_k
+from pagedllm.api.kernels import (
+    launch,
+    launch_dependents,
+    pdl_on,
+    prefetch_l2,
+    reduce_split,
+    split_k,
+    wait_primary,
+)
+from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
 
 
 @triton.jit

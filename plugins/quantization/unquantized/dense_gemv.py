@@ -1,7 +1,7 @@
 """When a dense 16-bit linear runs the Triton decode GEMV (dense_gemv_kernel.py) instead of cuBLAS.
 
-    the layer's switch on        `dense_gemv` on its method / LM head, set by `set_dense_gemv` from the engine
-                                 config's `dense_gemv` (PAGEDLLM_DENSE_GEMV=true; off: always cuBLAS)
+    the layer's switch on        `dense_gemv` on its method (method.py), from the engine config's
+                                 `dense_gemv` at construction (PAGEDLLM_DENSE_GEMV=true; off: always cuBLAS)
     x on CUDA, triton present    (the CPU keeps torch's matmul: the interpreter is for tests only)
     x and W both bf16 or fp16    W contiguous along K; the bias, if any, in the same dtype
     rows M <= GEMV_MAX_M         (prefill and batched decode are matmuls: cuBLAS)
@@ -10,8 +10,9 @@
 
 This module imports no triton: the kernel module is imported on the first GEMV call.
 
-NOTE 1: the switch lives on each layer (as fused_ops.py NOTE 1), so two engines in one process can differ,
-and an A/B run flips it on a live model and re-captures its CUDA graphs (examples/gpu/gemv_sweep.py).
+NOTE 1: the switch lives on each layer's method, fixed when the layer is built, so two engines in one process
+can differ; an A/B run of one loaded model flips `method.dense_gemv` and re-captures its CUDA graphs
+(examples/gpu/gemv_sweep.py).
 NOTE 2: a decode step's shapes are fixed, so the table lookup is a dict hit per call; graphs capture the
 choice made at capture time.
 NOTE 3 (`gated_down`): a SwiGLU MLP at decode runs gate_up, SiLU-and-mul, down: three launches, the middle
@@ -20,19 +21,19 @@ one ~1.5-2 us in a graph for 14,336 values. When the down projection would take 
 launch fewer per layer, the same values. It uses the down projection's table entry and switch.
 Measured on the H200 it LOST: W3 4.307 ms/token folded vs 4.236 unfolded (the gated GEMV reads twice the
 activations per K step and its loads fill fewer registers' worth of weights), so it is off unless a model's
-activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch).
+activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch); the MLP asks the down
+projection's method through pagedllm.layers.activation.fused_act_down, which reaches `apply_act_then`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pagedllm.layers.fused_ops import triton_available
+from pagedllm.api.kernels import triton_available
 
 GEMV_MAX_M = 4  # the kernel's accumulators are unrolled for at most this many rows
 DEFAULT_MAX_M = 2  # shapes not in GEMV_TABLE take the GEMV up to this many rows
@@ -121,53 +122,22 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     blocks = gemv_blocks(x, weight, bias) if gemv else None
     if blocks is None:
         return F.linear(x, weight, bias)
-    from pagedllm.layers.dense_gemv_kernel import dense_gemv
+    from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
 
     return dense_gemv(x, weight, bias, blocks)
 
 
-def gated_down(act: nn.Module, down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """down(silu(gate) * up) as one GEMV that forms the activation on the fly (NOTE 3), or None when the
-    module rule does not take it (the caller then runs the activation and the projection as usual)."""
-    if not getattr(act, "fold_into_gemv", False):  # off by default (NOTE 3); gemv_sweep.py's A/B switch
-        return None  # first: every other call pays one attribute lookup per layer
-    if gate_up.device.type != "cuda" or not getattr(getattr(down, "quant_method", None), "dense_gemv", False):
+def gated_dense_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """(silu(gate) * up) @ weight^T as one GEMV that forms the activation on the fly (NOTE 3), or None when
+    the module rule does not take it (the caller then runs the activation and the projection as usual)."""
+    if gate_up.device.type != "cuda":
         return None
-    from pagedllm.layers.activation import SiluAndMul
-    from pagedllm.layers.linear import ReplicatedLinear, RowParallelLinear
-    from pagedllm.layers.unquantized import UnquantizedLinearMethod
-
-    method = getattr(down, "quant_method", None)
-    if type(act) is not SiluAndMul or not isinstance(method, UnquantizedLinearMethod) or not method.dense_gemv:
-        return None
-    if not isinstance(down, (ReplicatedLinear, RowParallelLinear)) or down.bias is not None:
-        return None
-    weight = cast(torch.Tensor, down.weight)
     half = gate_up.shape[-1] // 2
     if gate_up.shape[-1] != 2 * half or weight.shape[1] != half:
         return None
     blocks = gemv_blocks(gate_up[..., :half], weight, None)
     if blocks is None:
         return None
-    from pagedllm.layers.dense_gemv_kernel import dense_gemv
+    from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
 
-    y = dense_gemv(gate_up, weight, None, blocks, gated=True)
-    if isinstance(down, RowParallelLinear):
-        from pagedllm.distributed.communication import tp_all_reduce
-
-        y = tp_all_reduce(y, down.tp_size)
-    return y
-
-
-def set_dense_gemv(model: nn.Module, enabled: bool) -> int:
-    """Switch the GEMV on or off for every dense linear and LM head of `model` (NOTE 1); returns the count."""
-    from pagedllm.layers.embedding import ParallelLMHead
-    from pagedllm.layers.unquantized import UnquantizedLinearMethod
-
-    count = 0
-    for module in model.modules():
-        target = module if isinstance(module, ParallelLMHead) else getattr(module, "quant_method", None)
-        if isinstance(target, (ParallelLMHead, UnquantizedLinearMethod)):
-            target.dense_gemv = enabled
-            count += 1
-    return count
+    return dense_gemv(gate_up, weight, None, blocks, gated=True)

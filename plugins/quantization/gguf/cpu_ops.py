@@ -4,8 +4,11 @@
                             build, PAGEDLLM_CPU_OPS=0); the layers then run their torch code
     CpuOps.add_rms_norm / rotary_neox / silu_and_mul / decode_attention: float32 CPU tensors only
 
-Which models use them is decided once, by the engine builder (fused_ops.py `set_cpu_ops`): they are not
-bit-identical to torch (cpu_ops.c NOTE 1), so only where no bit-exact float reference is promised.
+The gguf method brings them (GGUFConfig.cpu_fused_ops, a quantization config's optional member) and the
+engine builder hands them to a float32 CPU model's layers at construction (KernelOptions.cpu_ops): they are
+not bit-identical to torch (cpu_ops.c NOTE 1), so only where no bit-exact float reference is promised.
+`norm_fn`, `rotary_fn`, `silu_fn` and `attn_fn` are the C functions themselves (argtypes set), for a model's
+per-step plan that binds its pointers once (the CpuFusedOps protocol, pagedllm.protocols.quantization).
 
 NOTE 1: every wrapper is on the per-token path (~8 calls per layer): arguments go to ctypes as plain ints
 from `data_ptr()`, argtypes are set once, and shape checks are left to the callers that know their layout.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.layers.native_build import load_native
+from pagedllm.api.kernels import load_native
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -28,23 +31,23 @@ _reason: str | None = None
 
 
 class CpuOps:
-    """Typed wrappers around cpu_ops.c (NOTE 1)."""
+    """Typed wrappers around cpu_ops.c (NOTE 1); implements pagedllm.api.quantization.CpuFusedOps."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._norm = lib.cpu_add_rms_norm
-        self._norm.argtypes = [p, p, p, f32, c_int, i64, i64, p, p]
-        self._norm.restype = None
-        self._rotary = lib.cpu_rotary_neox
-        self._rotary.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, i64]
-        self._rotary.restype = None
-        self._silu = lib.cpu_silu_and_mul
-        self._silu.argtypes = [p, i64, i64, p]
-        self._silu.restype = None
-        self._attn = lib.cpu_decode_attention
-        self._attn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
+        self.norm_fn = lib.cpu_add_rms_norm
+        self.norm_fn.argtypes = [p, p, p, f32, c_int, i64, i64, p, p]
+        self.norm_fn.restype = None
+        self.rotary_fn = lib.cpu_rotary_neox
+        self.rotary_fn.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, i64]
+        self.rotary_fn.restype = None
+        self.silu_fn = lib.cpu_silu_and_mul
+        self.silu_fn.argtypes = [p, i64, i64, p]
+        self.silu_fn.restype = None
+        self.attn_fn = lib.cpu_decode_attention
+        self.attn_fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
                                f32, p]
-        self._attn.restype = c_int
+        self.attn_fn.restype = c_int
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool
@@ -54,11 +57,11 @@ class CpuOps:
         out = torch.empty_like(x)
         h = x.shape[-1]
         if residual is None:
-            self._norm(x.data_ptr(), None, weight.data_ptr(), eps, gemma, x.numel() // h, h, out.data_ptr(), None)
+            self.norm_fn(x.data_ptr(), None, weight.data_ptr(), eps, gemma, x.numel() // h, h, out.data_ptr(), None)
             return out, None
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
-        self._norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, gemma, x.numel() // h, h,
+        self.norm_fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, gemma, x.numel() // h, h,
                    out.data_ptr(), new_residual.data_ptr())
         return out, new_residual
 
@@ -74,7 +77,7 @@ class CpuOps:
         """Rotate query [T, nq * hs] and key [T, nk * hs] in place (rows may be strided, each row contiguous);
         cos / sin [max_position, rotary_dim / 2] float32, positions [T] int64 (contiguous)."""
         t = query.shape[0]
-        self._rotary(query.data_ptr(), query.stride(0), query.shape[-1] // head_size, key.data_ptr(),
+        self.rotary_fn(query.data_ptr(), query.stride(0), query.shape[-1] // head_size, key.data_ptr(),
                      key.stride(0), key.shape[-1] // head_size, head_size, t, positions.data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
 
@@ -83,7 +86,7 @@ class CpuOps:
         x = x.contiguous()
         d = x.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], d)
-        self._silu(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+        self.silu_fn(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
         return out
 
     def decode_attention(
@@ -107,7 +110,7 @@ class CpuOps:
         d, nh, hs = query.shape
         _, num_blocks, block_size, nkv, _ = kv_cache.shape
         out = torch.empty(d, nh, hs)
-        rc = self._attn(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
+        rc = self.attn_fn(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
                         value.stride(0), kv_cache.data_ptr(), num_blocks, block_size, nkv, hs, nh,
                         slots.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), d,
                         scale, window or 0, soft_cap or 0.0, out.data_ptr())

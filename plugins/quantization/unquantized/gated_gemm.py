@@ -1,7 +1,7 @@
 """When a dense [gate | up] layer runs the gated GEMM (gated_gemm_kernel.py): act(gate) * up in its epilogue.
 
-    the layer's switch on        `gated_gemm` on its method, set by `set_gated_gemm` from the engine config's
-                                 `gated_gemm` (PAGEDLLM_GATED_GEMM=true; off by default: on the H200 its
+    the layer's switch on        `gated_gemm` on its method (method.py), from the engine config's
+                                 `gated_gemm` at construction (PAGEDLLM_GATED_GEMM=true; off by default: on the H200 its
                                  best config ran 0.94x of cuBLAS + act_and_mul, perf-notes §18b)
     x on CUDA, sm_90+, triton    TMA descriptors; the CPU and older GPUs keep cuBLAS + act_and_mul
     x and W one 16-bit dtype     no bias; W [2I, K] contiguous, x rows contiguous and 16-byte aligned
@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
-from pagedllm.layers.fused_ops import triton_available
+from pagedllm.api.kernels import triton_available
 
 GATED_GEMM_MIN_M = 2048
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -42,20 +41,6 @@ class GatedGemmConfig(NamedTuple):
 # TFLOP/s at 16,384 against cuBLAS's 689 for the GEMM alone (650 with act_and_mul after it), so 0.94x; the
 # 128 x 128 tiles with two accumulators (cuBLAS's 128 x 256 shape) ran 0.83-0.86x, persistent variants no better.
 DEFAULT_CONFIG = GatedGemmConfig(bm=128, bn=64, bk=64, num_warps=4, num_stages=4)
-
-
-def set_gated_gemm(model: nn.Module, enabled: bool) -> int:
-    """Switch the gated GEMM on or off for every dense linear of `model` (as dense_gemv.set_dense_gemv: per
-    layer, so two engines in one process may differ); returns the count."""
-    from pagedllm.layers.unquantized import UnquantizedLinearMethod
-
-    count = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedLinearMethod):
-            method.gated_gemm = enabled
-            count += 1
-    return count
 
 
 def unusable_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> str | None:
@@ -86,7 +71,7 @@ def maybe_gated_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     the layer's switch)."""
     if not triton_available() or unusable_reason(x, weight, bias, activation) is not None:
         return None
-    from pagedllm.layers.gated_gemm_kernel import gated_gemm
+    from pagedllm.plugins.quantization.unquantized.gated_gemm_kernel import gated_gemm
 
     k = x.shape[-1]
     out = gated_gemm(x.reshape(-1, k), weight, activation)

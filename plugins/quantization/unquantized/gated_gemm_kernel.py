@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.dense_gemv import _sm_count
-from pagedllm.layers.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
+from pagedllm.plugins.quantization.unquantized.dense_gemv import _sm_count
+from pagedllm.plugins.quantization.unquantized.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
 
 
 @triton.jit

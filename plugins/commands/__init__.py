@@ -1,0 +1,1 @@
+"""pagedllm's in-tree command plugins: `pagedllm` subcommands beyond the built-in ones."""
