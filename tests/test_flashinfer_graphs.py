@@ -260,7 +260,7 @@ class _DecodeWrapper:
 @pytest.fixture
 def flashinfer_backend(monkeypatch: pytest.MonkeyPatch, fake_cuda_graphs: None) -> Iterator[Any]:
     """The real flashinfer_backend module, imported against the stand-in `flashinfer` (and removed after)."""
-    from pagedllm.plugins.attention.triton import kernels as triton_kernels
+    import pagedllm.api.kernels as toolkit  # the backend writes K/V with the toolkit's reshape_and_cache
 
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = _DecodeWrapper  # type: ignore[attr-defined]
@@ -271,7 +271,7 @@ def flashinfer_backend(monkeypatch: pytest.MonkeyPatch, fake_cuda_graphs: None) 
         flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
         flat[0, slots], flat[1, slots] = key, value
 
-    monkeypatch.setattr(triton_kernels, "reshape_and_cache", write_kv)
+    monkeypatch.setattr(toolkit, "reshape_and_cache", write_kv)
     package, name = importlib.import_module("pagedllm.plugins.attention"), "pagedllm.plugins.attention.flashinfer.backend"
     previous = sys.modules.pop(name, None)
     _DecodeWrapper.made.clear()

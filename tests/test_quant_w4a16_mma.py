@@ -150,13 +150,13 @@ def test_gate_up_hook_reaches_the_method_and_declines_cleanly() -> None:
 def test_launch_arguments_match_the_kernel_signature(monkeypatch: pytest.MonkeyPatch, gated: bool) -> None:
     """The host passes exactly the kernel's parameters (a driver launch cannot check them), and the grid and
     the output shape follow the blocks: N / 64 column blocks, K / (warps x iters x 32) splits, [M, N or N / 2]."""
-    import pagedllm.layers.cuda_rtc as rtc
+    import pagedllm.api.kernels as rtc  # the plugin launches through the API's launch_rtc
 
     params = re.search(r"w4a16_mma_gemv\(([^)]*)\)", mma._source())
     assert params is not None
     got: dict[str, object] = {}
     monkeypatch.setattr(mma, "_kernel_or_error", lambda device, defines: ("kernel", dict(defines)))
-    monkeypatch.setattr(rtc, "launch", lambda kernel, grid, block, args, pdl=False: got.update(
+    monkeypatch.setattr(rtc, "launch_rtc", lambda kernel, grid, block, args, pdl=False: got.update(
         kernel=kernel, grid=grid, block=block, args=args))
     x = torch.zeros(2, 512, dtype=torch.bfloat16)
     qw = torch.zeros(64, 256, dtype=torch.int32)
