@@ -27,7 +27,6 @@ activations and the per-group partial sums are rounded to bfloat16.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -73,11 +72,11 @@ class NativeKernel(nn.Module):
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.n)
         return y
 
-    def bind_row(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[int], None]:
-        """out [1, n] = x [1, k] @ W^T as a call with its pointers bound (NativeLibrary.bind_matmul)."""
+    def row_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Any, ...]:
+        """out [1, n] = x [1, k] @ W^T as (C function, arguments but the thread count): NativeLibrary.row_call."""
         blocks = self._buffers["blocks"]
         assert blocks is not None
-        return cast(Callable[[int], None], self._lib.bind_matmul(self.ggml_type, blocks, self.n, self.k, x, out))
+        return cast(tuple[Any, ...], self._lib.row_call(self.ggml_type, blocks, self.n, self.k, x, out))
 
     def dequantize(self) -> torch.Tensor:
         """The whole [N, K] matrix in float32 (a temporary: nothing keeps it)."""

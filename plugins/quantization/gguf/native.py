@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,21 +49,16 @@ class NativeLibrary:
         if rc:
             raise ValueError(f"gguf_matmul: type {ggml_type} with {k} inputs is not supported (rc {rc})")
 
-    def bind_matmul(
+    def row_call(
         self, ggml_type: int, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torch.Tensor
-    ) -> Callable[[int], None]:
-        """`matmul` of one row with every pointer read now: the returned call takes only a thread count.
+    ) -> tuple[Any, ...]:
+        """`matmul` of one row with every pointer read now: (C function, its arguments but the thread count).
 
         For callers that run the same product on the same buffers every step (the CPU decode plan of a
-        model); the tensors must outlive the call, and x must be one row.
+        model): they call `fn(*args, threads)` (non-zero: the type is not supported). The tensors must outlive
+        the call, and x must be one row.
         """
-        fn, args = self._matmul, (ggml_type, blocks.data_ptr(), n, k, x.data_ptr(), 1, out.data_ptr())
-
-        def run(threads: int) -> None:
-            if fn(*args, threads):
-                raise ValueError(f"gguf_matmul: type {ggml_type} with {k} inputs is not supported")
-
-        return run
+        return (self._matmul, ggml_type, blocks.data_ptr(), n, k, x.data_ptr(), 1, out.data_ptr())
 
     def dequantize_rows(
         self, ggml_type: int, blocks: torch.Tensor, n: int, k: int, ids: torch.Tensor | None, out: torch.Tensor
