@@ -447,7 +447,8 @@ def test_quantization_check_catches_a_wrong_product(pagedllm_component: Register
 
 
 @pytest.mark.parametrize(("kind", "arch"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-                                            ("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM")])
+                                            ("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM"),
+                                            ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
 def test_model_architecture(kind: str, arch: str) -> None:
     report = check_model_architecture(arch, tiny_hf_config(kind))
     assert report.new_tokens == 8 and max(report.prompt_lengths) > 8  # past gemma2's window of 8

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=384,
@@ -51,6 +51,19 @@ def tiny_hf_config(kind: str) -> Any:
         return transformers.Gemma2Config(
             **common, head_dim=16, pad_token_id=0, sliding_window=8, query_pre_attn_scalar=16,
             attn_logit_softcapping=5.0, final_logit_softcapping=10.0, architectures=["Gemma2ForCausalLM"],
+        )
+    if kind == "gemma3":
+        # Gemma 3 text: local layers (window 8) with their own RoPE base around a global layer with a
+        # linearly scaled RoPE, as in Gemma 3 4B+; q/k norms; a final soft-cap.
+        common = {**_COMMON, "initializer_range": 0.05, "num_hidden_layers": 4}
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=16, pad_token_id=0, sliding_window=8, query_pre_attn_scalar=16,
+            final_logit_softcapping=10.0, architectures=["Gemma3ForCausalLM"],
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
         )
     raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(KINDS)}")
 
