@@ -409,6 +409,28 @@ def test_fp8_method() -> None:
     check_quantization_method("fp8", {"weight": w1}, (w1 / rows).to(torch.float8_e4m3fn).float() * rows)
 
 
+def test_compressed_tensors_fp8_method() -> None:
+    """A compressed-tensors `float-quantized` checkpoint (FP8 weights, one scale per output channel, dynamic
+    per-token activations), laid out as llm-compressor writes them."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 64, generator=gen)
+    scale = w.abs().amax(1, keepdim=True) / 448
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    config = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True},
+        }},
+    }
+    # On the CPU the method multiplies float activations by the dequantized weights (no FP8 GEMM there), so
+    # the product is exact to the kit's default tolerance.
+    check_quantization_method("compressed-tensors", {"weight": codes, "weight_scale": scale}, codes.float() * scale,
+                              quantization_config=config)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed")
 def test_gguf_method() -> None:
     import gguf
@@ -448,7 +470,9 @@ def test_quantization_check_catches_a_wrong_product(pagedllm_component: Register
 
 @pytest.mark.parametrize(("kind", "arch"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
                                             ("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM"),
-                                            ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+                                            ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
+                                            ("mamba", "MambaForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+                                            ("bamba", "BambaForCausalLM")])
 def test_model_architecture(kind: str, arch: str) -> None:
     report = check_model_architecture(arch, tiny_hf_config(kind))
     assert report.new_tokens == 8 and max(report.prompt_lengths) > 8  # past gemma2's window of 8

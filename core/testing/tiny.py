@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mamba", "mamba2", "bamba")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=384,
@@ -64,6 +64,23 @@ def tiny_hf_config(kind: str) -> Any:
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
             },
+        )
+    ssm = {"vocab_size": _COMMON["vocab_size"], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if kind == "mamba":
+        return transformers.MambaConfig(**ssm, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
+                                        expand=2, time_step_rank=8, architectures=["MambaForCausalLM"])
+    if kind == "mamba2":
+        # 8 heads of 8 channels in 2 B/C groups; chunk 8 < the longer prompts, so the SSD crosses chunks.
+        return transformers.Mamba2Config(**ssm, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4,
+                                         expand=2, num_heads=8, head_dim=8, n_groups=2, chunk_size=8,
+                                         architectures=["Mamba2ForCausalLM"])
+    if kind == "bamba":
+        # Mamba-2 layers around one attention layer: two KV-cache groups (a state and paged blocks).
+        return transformers.BambaConfig(
+            **ssm, hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=[1],
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=["BambaForCausalLM"],
         )
     raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(KINDS)}")
 
