@@ -5,8 +5,8 @@ Packages are installed as tests/test_example_plugins.py installs its example: pi
 index, no build isolation, no dependencies) into a temporary `--target` folder, which the subprocesses get
 on PYTHONPATH. The shared virtual environment is never touched, so "uninstalling" is dropping the folder.
 
-Every kind's install-and-run case takes ~15 s, so only scheduler and attention run in the default suite; the
-others are marked slow. The rest of the file (names, folders, rendering, lint) takes about a second.
+Every kind's install-and-run case takes ~15 s, so only scheduler, attention and executor run in the default
+suite; the others are marked slow. The rest of the file (names, folders, rendering, lint) takes about a second.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tiny_models import make_tiny_model
 from pagedllm.cli import plugin_cmd
 from pagedllm.cli.main import main
 
-FAST_KINDS = ("scheduler", "attention")
+FAST_KINDS = ("scheduler", "attention", "executor")
 KIND_CASES = [
     pytest.param(kind, marks=() if kind in FAST_KINDS else (pytest.mark.slow,)) for kind in plugin_cmd.STARTERS
 ]
@@ -45,10 +45,13 @@ SELECT: dict[str, dict[str, Any]] = {
     "quantization": {"quantization": {"method": "{name}"}},
     "model": {},
     "logits_processor": {"logits_processors": ["{name}"]},
+    "proposer": {"speculative": {"method": "{name}", "num_speculative_tokens": 2}},
+    "executor": {"parallel": {"executor": "{name}"}},
+    "command": {},  # not an engine part: the command runs the config instead
 }
 SELECTION_KEY = {"scheduler": "scheduler", "attention": "attention", "kv_manager": "kv_manager",
                  "loader": "loader", "quantization": "quantization", "model": "model",
-                 "logits_processor": "logits_processor[{name}]"}
+                 "logits_processor": "logits_processor[{name}]", "proposer": "proposer", "executor": "executor"}
 # Run in a subprocess: the config file's greedy tokens and every selection's winner.
 _DRIVER = """
 import json, sys
@@ -169,15 +172,26 @@ def test_the_generated_package_installs_is_selected_and_passes_its_tests(
     model = _checkpoint_for(package, tiny_model, tmp_path) if kind == "model" else tiny_model
     config = tmp_path / "engine.yaml"
     config.write_text(yaml.safe_dump(_merge(_engine(model), select)))
-    result = _drive(config, env)
-    key = SELECTION_KEY[kind].format(name=name)
-    assert result["selections"][key] == [component, package.dist], result["selections"]
-    assert result["tokens"] == baseline
+    if kind == "command":  # `pagedllm my_command --config engine.yaml ...` prints the greedy tokens
+        for prompt, want in zip(PROMPTS, baseline, strict=True):
+            out = _run([sys.executable, "-m", "pagedllm.cli.main", name, "--config", str(config),
+                        "--token-ids", ",".join(map(str, prompt)), "--max-tokens", "6"], env)
+            assert json.loads(out.stdout.splitlines()[-1])["token_ids"] == want
+    else:
+        _check_selected_and_greedy(package, config, env, baseline)
 
     # 3. Its own tests pass, every one of them (none skipped).
     own = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], env, cwd=root)
     count = len(re.findall(r"^def test_", (root / "tests" / f"test_{name}.py").read_text(), re.MULTILINE))
     assert re.search(rf"\b{count} passed\b", own.stdout) and "skipped" not in own.stdout, own.stdout
+
+
+def _check_selected_and_greedy(package: Package, config: Path, env: dict[str, str], baseline: list[list[int]]) -> None:
+    name, component = package.name, package.component
+    result = _drive(config, env)
+    key = SELECTION_KEY[package.kind].format(name=name)
+    assert result["selections"][key] == [component, package.dist], result["selections"]
+    assert result["tokens"] == baseline
 
 
 def test_the_generated_test_fails_when_the_policy_breaks(tmp_path: Path) -> None:
@@ -225,7 +239,7 @@ def test_every_kind_renders_a_complete_light_lint_clean_package(kind: str, tmp_p
     tree = ast.parse(files[f"src/{package}/__init__.py"])
     declared = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
-    assert declared["PAGEDLLM_PLUGIN_API"] == ">=1,<2"
+    assert declared["PAGEDLLM_PLUGIN_API"] == ">=1.2,<2" if kind == "command" else ">=1,<2"
     module_level = _imported(tree.body)
     assert module_level <= {"__future__", "typing", "os", "pydantic", "pagedllm.api"}, module_level
     assert _imported(ast.walk(tree)) - module_level == {f"{package}.{module}"}
@@ -260,6 +274,7 @@ def test_registration_imports_nothing_heavy(tmp_path: Path) -> None:
         sites.append(str(root / "src"))
     code = ("import importlib, sys\n"
             + "".join(f"importlib.import_module('pagedllm_my_{k}')\n" for k in plugin_cmd.STARTERS)
+            + "importlib.import_module('pagedllm_my_command.cli')\n"  # a command's flags: `pagedllm --help` builds them
             + "print('torch' in sys.modules)")
     out = _run([sys.executable, "-c", code], _env(PYTHONPATH=os.pathsep.join(sites)))
     assert out.stdout.strip() == "False"
@@ -268,14 +283,15 @@ def test_registration_imports_nothing_heavy(tmp_path: Path) -> None:
 # -- what it refuses -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["proposer", "executor", "entrypoint", "sampler"])
+@pytest.mark.parametrize("kind", ["entrypoint", "sampler"])
 def test_a_kind_it_cannot_write_exits_2_listing_the_supported_ones(
     kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["plugin", "new", kind, "x", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pagedllm: error: ") and kind in err
-    assert "supported kinds: scheduler, attention, kv_manager, loader, quantization, model, logits_processor" in err
+    assert ("supported kinds: scheduler, attention, kv_manager, loader, quantization, model, logits_processor, "
+            "proposer, executor, command") in err
     assert not (tmp_path / "x").exists()
 
 

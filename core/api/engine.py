@@ -9,12 +9,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestValidationError
 from pagedllm.engine.builder import build_engine, resolve_device
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm import LLM
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.plugin_manager import get_plugin_manager
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = [
+    "EngineInfo",
     "AsyncLLM",
     "EngineConfig",
     "EngineCore",

@@ -38,6 +38,7 @@ class Starter:
     summary: str
     select: str  # engine.yaml lines that select it; "" = there is no config key
     use: str  # the README's "Use" section (markdown)
+    api_min: str = ""  # the oldest plugin API the kind needs, where newer than PLUGIN_API_VERSION's major
 
 
 _SELECT_USE = (
@@ -82,10 +83,26 @@ STARTERS: dict[str, Starter] = {
         PluginKind.LOGITS_PROCESSOR, "processor", "{{name}}", "bans token ids from being sampled",
         "logits_processors: [{{name}}]\nplugins:\n  {{name}}: {token_ids: [0]}", _SELECT_USE,
     ),
+    "proposer": Starter(
+        PluginKind.PROPOSER, "proposer", "{{name}}", "speculative drafts guessing the last token comes again",
+        "speculative: {method: {{name}}, num_speculative_tokens: 2}", _SELECT_USE,
+    ),
+    "executor": Starter(
+        PluginKind.EXECUTOR, "executor", "{{name}}", "one rank, in the engine core's process",
+        "parallel: {executor: {{name}}}", _SELECT_USE,
+    ),
+    "command": Starter(
+        PluginKind.COMMAND, "cli", "{{name}}", "a prompt's token count and greedy continuation as JSON", "",
+        "Installed, it is a `pagedllm` subcommand, with every engine flag (`--model`, `--config`, "
+        "`--set KEY=VALUE`, ...):\n\n```bash\npagedllm {{name}} --help\n"
+        "pagedllm {{name}} --prompt Hello --max-tokens 8\n"
+        "pagedllm {{name}} --model path/to/model --token-ids 10,11,12\n```",
+        api_min="1.2",
+    ),
 }
 _ALIASES = {"attention_backend": "attention"}  # PluginKind's own spelling
-# Kinds pagedllm has but the starter does not write (proposer, executor, entrypoint, ...): each needs more
-# than a small honest package (a draft source and its verification, worker processes, a server).
+# Kinds pagedllm has but the starter does not write (entrypoint): a server needs more than a small honest
+# package.
 NOT_STARTED = tuple(k.value for k in PluginKind if k not in {s.kind for s in STARTERS.values()})
 
 # THE ONE PLACE for pagedllm's conformance kit (pagedllm.testing): kind -> what the kit's check needs. A kind
@@ -112,6 +129,9 @@ KIT_LATER = {
     "quantization": "# Conformance kit: once the method stores a format of its own, pagedllm.testing's\n"
     "# check_quantization_method(NAME, checkpoint, dequantized_weight) compares its products here.",
     "logits_processor": "# Conformance kit: pagedllm.testing has no logits-processor check yet; when it has, call it here.",
+    "proposer": "# Conformance kit: pagedllm.testing has no proposer check yet; when it has, call it here.",
+    "executor": "# Conformance kit: pagedllm.testing has no executor check yet; when it has, call it here.",
+    "command": "# Conformance kit: pagedllm.testing has no command check yet; when it has, call it here.",
 }
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -216,7 +236,7 @@ def _values(kind: str, name: str, starter: Starter) -> dict[str, str]:
         "module": starter.module,
         "summary": starter.summary,
         # The majors of the plugin API this pagedllm implements: its own, up to the next breaking one.
-        "api_range": f">={PLUGIN_API_VERSION},<{PLUGIN_API_VERSION + 1}",
+        "api_range": f">={starter.api_min or PLUGIN_API_VERSION},<{PLUGIN_API_VERSION + 1}",
         "kit": _kit_block(kind),
     }
     values["component"] = fill(starter.component, values)

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sched.stats import SchedulerStats
 
 Message = dict[str, Any]
 
@@ -27,6 +29,14 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def engine_info(self) -> EngineInfo:
+        """The engine's model, limits, KV layout and chosen components."""
+        return EngineInfo.of(self.engine.parts)
+
+    def get_stats(self) -> SchedulerStats:
+        """Cumulative scheduler counters (preemptions, prefix-cache queries and hits, steps, drafts)."""
+        return self.engine.get_stats()
 
     def shutdown(self) -> None:
         """Stop the engine (fires the engine_stopped hook once)."""

@@ -38,14 +38,14 @@ class BenchTarget:
         t0 = time.perf_counter()
         llm = LLM(config=config)
         build_seconds = time.perf_counter() - t0
-        parts = llm.engine.parts
+        info = llm.engine_info()
         return cls(
             llm=llm,
-            model_ref=parts.model_ref,
-            loader=parts.selections["loader"].winner.name,
-            hf_config=parts.info.hf_config,
-            tokenizer=parts.info.tokenizer,
-            max_model_len=parts.max_model_len,
+            model_ref=info.model_ref,
+            loader=info.components["loader"],
+            hf_config=info.hf_config,
+            tokenizer=info.tokenizer,
+            max_model_len=info.max_model_len,
             seed=config.seed,
             build_seconds=build_seconds,
         )
@@ -57,29 +57,29 @@ class BenchTarget:
 
     def engine_summary(self) -> dict[str, Any]:
         """Engine settings that change the numbers: batch limits, KV layout, chosen plugins."""
-        parts = self.llm.engine.parts
-        cfg = parts.config
+        info = self.llm.engine_info()
+        cfg = info.config
         return {
             "model": self.model_ref,
             "loader": self.loader,
             "architecture": (getattr(self.hf_config, "architectures", None) or ["?"])[0],
-            "device": str(parts.device),
-            "dtype": str(parts.dtype).removeprefix("torch."),
+            "device": info.device,
+            "dtype": info.dtype,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "enable_chunked_prefill": cfg.scheduler.enable_chunked_prefill,
-            "block_size": parts.block_size,
-            "num_kv_blocks": parts.num_blocks,
+            "block_size": info.block_size,
+            "num_kv_blocks": info.num_kv_blocks,
             "enable_prefix_caching": cfg.kv_cache.enable_prefix_caching,
-            "max_model_len": parts.max_model_len,
+            "max_model_len": info.max_model_len,
             "speculative": cfg.speculative.model_dump() if cfg.speculative.method else None,
-            "plugins": {key: sel.winner.name for key, sel in parts.selections.items()},
+            "plugins": dict(info.components),
             "build_seconds": round(self.build_seconds, 2),
         }
 
     def kv_stats(self) -> dict[str, float]:
         """Cumulative scheduler counters (diff two snapshots to get one run's share)."""
-        stats = self.llm.engine.get_stats()
+        stats = self.llm.get_stats()
         return {
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_queries": stats.prefix_cache_queries,
