@@ -167,14 +167,14 @@ class EngineConfig(_Section):
     dense_gemv: bool = Field(
         True,
         description="on CUDA, dense 16-bit linears and the LM head run a Triton split-K GEMV at decode sizes "
-        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: layers/dense_gemv.py; W3 "
+        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: plugins/quantization/unquantized/dense_gemv.py; W3 "
         "4.86 -> 4.24 ms/token there); false: always cuBLAS",
     )
     gated_gemm: bool = Field(
         False,
         description="on CUDA (sm_90+), a dense [gate | up] layer's prompt-sized products (>= 2048 rows) run one "
         "Triton GEMM with SiLU/GELU-and-mul in its epilogue instead of cuBLAS then the activation kernel "
-        "(layers/gated_gemm.py); off: on the H200 it ran 0.94x of cuBLAS + the activation at 16,384 rows",
+        "(plugins/quantization/unquantized/gated_gemm.py); off: on the H200 it ran 0.94x of cuBLAS + the activation at 16,384 rows",
     )
     compile_ahead: bool = Field(
         True,

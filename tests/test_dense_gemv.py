@@ -1,5 +1,5 @@
-"""The dense decode GEMV (layers/dense_gemv_kernel.py) against torch's matmul, under Triton's interpreter, and
-its dispatch rule (layers/dense_gemv.py).
+"""The dense decode GEMV (the unquantized plugin's dense_gemv_kernel.py) against torch's matmul, under Triton's interpreter, and
+its dispatch rule (dense_gemv.py).
 
 Kernel cases run in a child process (this file as a script: TRITON_INTERPRET is set before triton is
 imported) and the tests read its JSON. Bound, elementwise, with S = |x| @ |W|^T computed in float64:

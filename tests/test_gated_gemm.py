@@ -1,4 +1,4 @@
-"""The gated GEMM (core/layers/gated_gemm_kernel.py): act(x W_gate^T) * (x W_up^T) with the activation in the
+"""The gated GEMM (plugins/quantization/unquantized/gated_gemm_kernel.py): act(x W_gate^T) * (x W_up^T) with the activation in the
 epilogue, against the unfused path (the GEMM rounded to the dtype, then act_and_mul's rounding), under
 Triton's CPU interpreter in a child process; the rule that sends a call to it; its sm_90 compile offline."""
 

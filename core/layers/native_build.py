@@ -4,7 +4,7 @@
     compiler()                  -> the C compiler to use, or None
     load_native(source, flags, disable_env) -> (the loaded library, None) or (None, why not)
 
-Used by the native CPU kernels (core/layers/cpu_ops.c, plugins/quantization/gguf_cpu.c). The object goes to
+Used by the native CPU kernels (the gguf plugin's cpu_ops.c and gguf_cpu.c). The object goes to
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``)/native under a name hashed from the source, the flags,
 the compiler's version and this CPU's flags, so an edit, another compiler or another machine sharing the home
 folder gets its own build. The build goes to a temporary name and is renamed into place, so processes

@@ -1,4 +1,4 @@
-"""The gated GEMM (core/layers/gated_gemm_kernel.py) against what the engine runs now at prompt sizes: cuBLAS's
+"""The gated GEMM (plugins/quantization/unquantized/gated_gemm_kernel.py) against what the engine runs now at prompt sizes: cuBLAS's
 [gate | up] GEMM, then act_and_mul (issue 5, perf-notes §17e item 3).
 
     python examples/gpu/gated_gemm_sweep.py --out $OUT/gated.json      # H200, ~1 minute
