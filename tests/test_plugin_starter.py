@@ -47,7 +47,8 @@ SELECT: dict[str, dict[str, Any]] = {
     "logits_processor": {"logits_processors": ["{name}"]},
     "proposer": {"speculative": {"method": "{name}", "num_speculative_tokens": 2}},
     "executor": {"parallel": {"executor": "{name}"}},
-    "command": {},  # not an engine part: the command runs the config instead
+    "command": {},  # not engine parts: the command, and `pagedllm serve --entrypoint`, run the config instead
+    "entrypoint": {},
 }
 SELECTION_KEY = {"scheduler": "scheduler", "attention": "attention", "kv_manager": "kv_manager",
                  "loader": "loader", "quantization": "quantization", "model": "model",
@@ -176,6 +177,13 @@ def test_the_generated_package_installs_is_selected_and_passes_its_tests(
         out = _run([sys.executable, "-m", "pagedllm.cli.main", name, "--config", str(config),
                     "--token-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", "6"], env)
         assert json.loads(out.stdout.splitlines()[-1])["token_ids"] == baseline[0]
+    elif kind == "entrypoint":  # `pagedllm serve --entrypoint my_entrypoint --config engine.yaml` < JSON lines
+        lines = "".join(json.dumps({"prompt_token_ids": p, "max_tokens": 6, "ignore_eos": True}) + "\n" for p in PROMPTS)
+        served = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "serve", "--entrypoint", name,
+                                 "--config", str(config)], input=lines, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert served.returncode == 0, served.stderr
+        assert [json.loads(line)["token_ids"] for line in served.stdout.splitlines()] == baseline
     else:
         _check_selected_and_greedy(package, config, env, baseline)
 
@@ -238,7 +246,7 @@ def test_every_kind_renders_a_complete_light_lint_clean_package(kind: str, tmp_p
     tree = ast.parse(files[f"src/{package}/__init__.py"])
     declared = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
-    assert declared["PAGEDLLM_PLUGIN_API"] == ">=1.2,<2" if kind == "command" else ">=1,<2"
+    assert declared["PAGEDLLM_PLUGIN_API"] == (">=1.2,<2" if kind == "command" else ">=1,<2")  # commands: 1.2
     module_level = _imported(tree.body)
     assert module_level <= {"__future__", "typing", "os", "pydantic", "pagedllm.api"}, module_level
     assert _imported(ast.walk(tree)) - module_level == {f"{package}.{module}"}
@@ -282,7 +290,7 @@ def test_registration_imports_nothing_heavy(tmp_path: Path) -> None:
 # -- what it refuses -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["entrypoint", "sampler"])
+@pytest.mark.parametrize("kind", ["sampler", "attention_kernel"])
 def test_a_kind_it_cannot_write_exits_2_listing_the_supported_ones(
     kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -290,7 +298,7 @@ def test_a_kind_it_cannot_write_exits_2_listing_the_supported_ones(
     err = capsys.readouterr().err
     assert err.startswith("pagedllm: error: ") and kind in err
     assert ("supported kinds: scheduler, attention, kv_manager, loader, quantization, model, logits_processor, "
-            "proposer, executor, command") in err
+            "proposer, executor, command, entrypoint") in err
     assert not (tmp_path / "x").exists()
 
 

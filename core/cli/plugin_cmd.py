@@ -99,10 +99,16 @@ STARTERS: dict[str, Starter] = {
         "pagedllm {{name}} --model path/to/model --token-ids 10,11,12\n```",
         api_min="1.2",
     ),
+    "entrypoint": Starter(
+        PluginKind.ENTRYPOINT, "entrypoint", "{{name}}", "prompts from stdin as JSON lines, completions to stdout",
+        "",
+        "Entrypoints have no config key: `pagedllm serve --entrypoint {{name}}` runs this one, with every engine "
+        "flag (`--model`, `--config`, `--set KEY=VALUE`, ...):\n\n```bash\n"
+        "echo '{\"prompt\": \"Hello\", \"max_tokens\": 8}' | pagedllm serve --entrypoint {{name}}\n```",
+    ),
 }
 _ALIASES = {"attention_backend": "attention"}  # PluginKind's own spelling
-# Kinds pagedllm has but the starter does not write (entrypoint): a server needs more than a small honest
-# package.
+# Kinds pagedllm has but the starter does not write (none today; a kind added to PluginKind lands here).
 NOT_STARTED = tuple(k.value for k in PluginKind if k not in {s.kind for s in STARTERS.values()})
 
 # THE ONE PLACE for pagedllm's conformance kit (pagedllm.testing): kind -> what the kit's check needs. A kind
@@ -132,6 +138,7 @@ KIT_LATER = {
     "proposer": "# Conformance kit: pagedllm.testing has no proposer check yet; when it has, call it here.",
     "executor": "# Conformance kit: pagedllm.testing has no executor check yet; when it has, call it here.",
     "command": "# Conformance kit: pagedllm.testing has no command check yet; when it has, call it here.",
+    "entrypoint": "# Conformance kit: pagedllm.testing has no entrypoint check yet; when it has, call it here.",
 }
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
