@@ -114,8 +114,8 @@ def build_engine(
     """The engine core's build: its executor first (remote tensor-parallel ranks start and this process joins
     their group as rank 0), then rank 0's parts; the executor is shut down if anything fails.
 
-    :param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config), for the
-        logits processors; validated here when the config names some and they are not given.
+    :param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config); validated
+        here when not given.
     """
     pm = pm or get_plugin_manager()
     parallel = config.parallel
@@ -448,7 +448,7 @@ def _build_runner_plugins(
     comps: _Components,
     kv: _KVPlan,
     tp_rank: int,
-    plugin_sections: Mapping[str, Any] | None,
+    plugin_sections: Mapping[str, Any],
 ) -> RunnerPlugins:
     """Stage 6: rank 0's logits processors and speculator (runner_plugins.py); a plain sampler elsewhere."""
     if tp_rank != 0:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from pagedllm.engine.builder import EngineParts
@@ -39,10 +38,9 @@ class EngineCore:
         self,
         parts: EngineParts,
         plugin_manager: PluginManager | None = None,
-        plugin_sections: Mapping[str, Any] | None = None,
     ) -> None:
-        """:param plugin_sections: unused, accepted for callers that still pass it: the plugins that need the
-        config's `plugins.*` sections (logits processors) are built with the runner (build_engine)."""
+        """The plugins that need the config's `plugins.*` sections (logits processors, the speculator) come
+        built with the runner (build_engine)."""
         self.parts = parts
         self.pm = plugin_manager or get_plugin_manager()
         self.scheduler = parts.scheduler

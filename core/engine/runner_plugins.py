@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineConfig, plugin_section, validate_plugin_sections
+from pagedllm.config import EngineConfig, plugin_section
 from pagedllm.kv_cache.spec import AttentionSpec, KVCacheSpec
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
@@ -53,10 +53,9 @@ class RunnerPlugins:
 
 
 def build_runner_plugins(
-    config: EngineConfig, pm: PluginManager, target: TargetFacts, plugin_sections: Mapping[str, Any] | None
+    config: EngineConfig, pm: PluginManager, target: TargetFacts, plugin_sections: Mapping[str, Any]
 ) -> RunnerPlugins:
-    """:param plugin_sections: the config's validated `plugins.*` sections (PluginManager.load_config);
-    validated here, when the config names logits processors, if not given."""
+    """:param plugin_sections: the config's validated `plugins.*` sections (validate_plugin_sections)."""
     processors, selections = build_logits_processors(config, pm, target, plugin_sections)
     speculator = None
     if config.speculative.method is not None:
@@ -65,13 +64,12 @@ def build_runner_plugins(
 
 
 def build_logits_processors(
-    config: EngineConfig, pm: PluginManager, target: TargetFacts, plugin_sections: Mapping[str, Any] | None
+    config: EngineConfig, pm: PluginManager, target: TargetFacts, plugin_sections: Mapping[str, Any]
 ) -> tuple[list[LogitsProcessor], dict[str, Selection]]:
     """The config's `logits_processors`, in order, each with its validated `plugins.<name>` section."""
     if not config.logits_processors:
         return [], {}
     models = pm.config_models()
-    sections = plugin_sections if plugin_sections is not None else validate_plugin_sections(config, models)
     processors: list[LogitsProcessor] = []
     selections: dict[str, Selection] = {}
     for name in config.logits_processors:
@@ -79,7 +77,7 @@ def build_logits_processors(
         selection = selections[f"logits_processor[{name}]"] = select(
             pm, PluginKind.LOGITS_PROCESSOR, None, requested=name
         )
-        ctx = LogitsProcessorContext(name, plugin_section(sections, name, models), target.vocab_size, target.device)
+        ctx = LogitsProcessorContext(name, plugin_section(plugin_sections, name, models), target.vocab_size, target.device)
         processors.append(selection.load()(ctx))
     return processors, selections
 

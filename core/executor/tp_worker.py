@@ -57,8 +57,9 @@ class TPWorker:
             device=device,
         )
         pm = get_plugin_manager()
-        pm.load_config(self.config)  # plugin sections validated; config_loaded fires in this process too
-        self.runner = build_engine_parts(self.config, pm, tp_rank=self.rank).runner
+        # Plugin sections validated once; config_loaded fires in this process too.
+        sections = pm.load_config(self.config)
+        self.runner = build_engine_parts(self.config, pm, tp_rank=self.rank, plugin_sections=sections).runner
 
     def execute(self, message: bytes) -> None:
         """Run one step from rank 0's pickled (SchedulerOutput, rank 0's previous output, pipelined)."""

@@ -36,8 +36,8 @@ class EngineReplica:
         config = EngineConfig.model_validate(config_dict)
         pm = get_plugin_manager()
         sections = pm.load_config(config)
-        self.parts = build_engine(config, pm)
-        self.core = EngineCore(self.parts, pm, sections)
+        self.parts = build_engine(config, pm, plugin_sections=sections)
+        self.core = EngineCore(self.parts, pm)
 
     def describe(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "max_model_len": self.parts.max_model_len,
