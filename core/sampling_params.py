@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, ClassVar
 
 _GREEDY_EPS = 1e-5
 
@@ -20,6 +20,45 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`, same field names).
+
+    Exactly one of json / regex / choice / grammar / json_object / structural_tag is set. `json` is a JSON
+    schema (a dict or its JSON text); `json_object` asks for any JSON object; `grammar` is EBNF (GBNF) or Lark
+    text; `structural_tag` is the JSON text of an xgrammar-style structural tag. `backend` names a
+    structured-output plugin (None: the selector picks one that supports the constraint).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {set_kinds or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of KINDS."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -51,6 +90,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Per-request arguments for logits processors and other plugins, keyed by plugin (vLLM's extra_args).
     extra_args: dict[str, Any] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF/Lark, structural tag); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

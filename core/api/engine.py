@@ -13,7 +13,7 @@ from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm import LLM
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.plugin_manager import get_plugin_manager
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "EngineInfo",
@@ -27,6 +27,7 @@ __all__ = [
     "RequestOutput",
     "RequestValidationError",
     "SamplingParams",
+    "StructuredOutputsParams",
     "build_engine",
     "get_plugin_manager",
     "resolve_device",

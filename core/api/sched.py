@@ -8,7 +8,7 @@ from __future__ import annotations
 from pagedllm.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.logits_processor import LogitsBatch, LogitsProcessor, LogitsProcessorContext
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sched.base import SchedulerBase, SchedulerContext
 from pagedllm.sched.stats import SchedulerStats
 
@@ -22,6 +22,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerBase",
     "SchedulerOutput",
     "SchedulerStats",
