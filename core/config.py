@@ -13,6 +13,7 @@ before it builds anything.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -147,6 +148,21 @@ class SpeculativeConfig(_Section):
         return os.path.expanduser(v) if v else v
 
 
+class StructuredOutputsConfig(_Section):
+    """Structured outputs (JSON schema, regex, choice, grammar): the backend plugin and its grammar compiler."""
+
+    backend: str | None = Field(
+        None, description="structured-output backend plugin (xgrammar, llguidance) for every request; None = "
+        "per request, the highest-priority backend that supports its constraint (a request's own `backend` wins)",
+    )
+    disable_any_whitespace: bool = Field(
+        False, description="JSON constraints allow no whitespace between tokens (vLLM's engine-wide "
+        "disable_any_whitespace; a request may also set it): compact output, and a weak model cannot pad forever",
+    )
+    compile_threads: int = Field(2, ge=1, description="threads compiling grammars off the step loop")
+    cache_size: int = Field(256, ge=1, description="compiled grammars kept, by constraint (least recently used out)")
+
+
 class EngineConfig(_Section):
     model: str | None = Field(None, description="model folder, .gguf file or alias; None = embedded default")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model's own")
@@ -199,6 +215,7 @@ class EngineConfig(_Section):
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     logits_processors: list[str] = Field(
         default_factory=list,
         description="logits processor plugins to run, in order, before penalties and temperature",
@@ -366,6 +383,7 @@ COMPONENT_KEYS: dict[str, PluginKind] = {
     "speculative.method": PluginKind.PROPOSER,
     "speculative.draft_load_format": PluginKind.LOADER,
     "parallel.executor": PluginKind.EXECUTOR,
+    "structured_outputs.backend": PluginKind.STRUCTURED_OUTPUT,
     "logits_processors": PluginKind.LOGITS_PROCESSOR,
 }
 # Values besides None that a key reads as unset: the builder takes `quantization.method or <checkpoint's>`.
@@ -471,10 +489,54 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "tensor_parallel_size": "parallel.tensor_parallel_size",
         "data_parallel_size": "parallel.data_parallel_size",
         "distributed_executor_backend": "parallel.executor",
+        "structured_outputs_config": "structured_outputs",  # vLLM's StructuredOutputsConfig keyword
     }
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key == "load_format" and value == "auto":
             continue
+        if key == "trust_remote_code":
+            refuse_remote_code(value)
+            continue
+        if key == "speculative_config":
+            out.update({f"speculative.{k}": v for k, v in speculative_from_vllm(value).items()})
+            continue
         out[routes.get(key, key)] = value
+    return out
+
+
+def refuse_remote_code(value: Any) -> None:
+    """vLLM's `trust_remote_code`: False is what pagedllm always does; True is refused, saying why."""
+    if value:
+        raise ConfigError(
+            "trust_remote_code: pagedllm never runs model code shipped in a checkpoint; architectures come from "
+            "model plugins (`pagedllm plugins` lists them; docs/plugins/model.md says how to add one)"
+        )
+
+
+# vLLM's speculative_config keys that are spelled differently here (method values too).
+_VLLM_SPECULATIVE_KEYS = {"model": "draft_model"}
+_VLLM_SPECULATIVE_METHODS = {"draft_model": "draft"}
+
+
+def speculative_from_vllm(spec: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` dict (or its JSON text) as this config's `speculative` section keys.
+
+    `{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}` maps one to one; `model` is
+    `draft_model`, and a `model` without a `method` (or method `draft_model`) means the `draft` proposer.
+    Keys this engine lacks stay as they are, so validation names them (`speculative.<key>`).
+    """
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"speculative_config: not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"speculative_config: expected a dict (or its JSON), got {type(spec).__name__}")
+    out: dict[str, Any] = {_VLLM_SPECULATIVE_KEYS.get(str(k), str(k)): v for k, v in spec.items()}
+    method = out.get("method")
+    if method is None and out.get("draft_model"):
+        out["method"] = "draft"
+    elif isinstance(method, str):
+        out["method"] = _VLLM_SPECULATIVE_METHODS.get(method, method)
     return out

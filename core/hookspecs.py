@@ -47,6 +47,7 @@ from pagedllm.selection_context import (
     ProposerCheckContext,
     QuantizationCheckContext,
     SchedulerCheckContext,
+    StructuredOutputCheckContext,
 )
 
 if TYPE_CHECKING:  # annotations only: importing the hookspecs must stay torch-free
@@ -136,6 +137,9 @@ RegisterLogitsProcessor = Register[None]
 RegisterExecutor = Register[ExecutorCheckContext]
 RegisterProposer = Register[ProposerCheckContext]
 RegisterCommand = Register[None]
+RegisterStructuredOutputBackend = Register[StructuredOutputCheckContext]
+RegisterToolParser = Register[None]
+RegisterReasoningParser = Register[None]
 
 
 @hookspec
@@ -252,6 +256,42 @@ def register_commands(register: RegisterCommand) -> None:
     `load()` runs whenever `pagedllm` builds its parser: it and the flags must not import torch.
 
     :param register: call once per command; check() receives None.
+    """
+
+
+@hookspec
+def register_tool_parsers(register: RegisterToolParser) -> None:
+    """Register tool-call parsers (pagedllm.protocols.tool_parser), by the name `--tool-call-parser` gives.
+
+    `load()` returns a class built once per chat request as `cls(ToolParserContext)`; it turns the model's
+    text into OpenAI `tool_calls`, whole (`extract_tool_calls`) or delta by delta while streaming
+    (`extract_tool_calls_streaming`). The server looks parsers up by name; nothing is selected automatically.
+
+    :param register: call once per parser; check() receives None.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: RegisterReasoningParser) -> None:
+    """Register reasoning parsers (pagedllm.protocols.reasoning_parser), by the name `--reasoning-parser` gives.
+
+    `load()` returns a class built once per chat request as `cls(ReasoningParserContext)`; it splits the
+    model's text into `reasoning_content` and `content`, whole or delta by delta while streaming.
+
+    :param register: call once per parser; check() receives None.
+    """
+
+
+@hookspec
+def register_structured_output_backends(register: RegisterStructuredOutputBackend) -> None:
+    """Register structured-output backends (pagedllm.protocols.structured_output), e.g. xgrammar, llguidance.
+
+    `load()` returns a class built once per engine as `cls(StructuredOutputContext)` that compiles a request's
+    `StructuredOutputsParams` into grammars masking its logits. Per request, `params.backend` or the config's
+    `structured_outputs.backend` names one; otherwise the highest-priority backend whose check passes serves it.
+
+    :param register: call once per backend; check() receives the request's `StructuredOutputsParams`
+        (`StructuredOutputCheckContext`): return reasons for a constraint the backend cannot compile.
     """
 
 

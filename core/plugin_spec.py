@@ -24,6 +24,9 @@ class PluginKind(enum.StrEnum):
     PROPOSER = "proposer"
     EXECUTOR = "executor"
     COMMAND = "command"
+    STRUCTURED_OUTPUT = "structured_output"
+    TOOL_PARSER = "tool_parser"
+    REASONING_PARSER = "reasoning_parser"
 
     @property
     def hook_name(self) -> str:
@@ -46,6 +49,9 @@ _HOOKS = {
     PluginKind.PROPOSER: "register_proposers",
     PluginKind.EXECUTOR: "register_executors",
     PluginKind.COMMAND: "register_commands",
+    PluginKind.STRUCTURED_OUTPUT: "register_structured_output_backends",
+    PluginKind.TOOL_PARSER: "register_tool_parsers",
+    PluginKind.REASONING_PARSER: "register_reasoning_parsers",
 }
 _GROUPS = {
     PluginKind.ATTENTION: "pagedllm.attention_backends",
@@ -59,6 +65,9 @@ _GROUPS = {
     PluginKind.PROPOSER: "pagedllm.proposers",
     PluginKind.EXECUTOR: "pagedllm.executors",
     PluginKind.COMMAND: "pagedllm.commands",
+    PluginKind.STRUCTURED_OUTPUT: "pagedllm.structured_output",
+    PluginKind.TOOL_PARSER: "pagedllm.tool_parsers",
+    PluginKind.REASONING_PARSER: "pagedllm.reasoning_parsers",
 }
 # A light structural check at resolve time (STYLE.md failure policy): the object each kind's `load()` returns
 # must carry its protocol's required members (`required_members`), so a registration whose load() gives the
@@ -76,6 +85,9 @@ _PROTOCOLS: dict[PluginKind, str] = {
     PluginKind.ENTRYPOINT: "pagedllm.protocols.entrypoint:Entrypoint",
     PluginKind.EXECUTOR: "pagedllm.protocols.executor:Executor",
     PluginKind.COMMAND: "pagedllm.protocols.command:Command",
+    PluginKind.STRUCTURED_OUTPUT: "pagedllm.protocols.structured_output:StructuredOutputBackend",
+    PluginKind.TOOL_PARSER: "pagedllm.protocols.tool_parser:ToolParser",
+    PluginKind.REASONING_PARSER: "pagedllm.protocols.reasoning_parser:ReasoningParser",
 }
 _OPTIONAL = "__pagedllm_optional__"
 _F = TypeVar("_F")

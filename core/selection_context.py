@@ -14,6 +14,7 @@ through a `Mapping`.
     quantization          the checkpoint's quantization_config, or None  QuantizationCheckContext
     proposer              the config's `speculative` section             ProposerCheckContext
     executor              the config's `parallel` section                ExecutorCheckContext
+    structured_output     one request's constraint                       StructuredOutputCheckContext
     model, entrypoint, logits_processor, command                         None
 
 Light on purpose (typing only, no torch, no pydantic): registration modules import these through
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from pagedllm.kv_cache.spec import KVCacheSpec
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ LoaderCheckContext: TypeAlias = str
 # A quantization method's check() receives the checkpoint's `quantization_config` (as in config.json; read-only),
 # or None for a checkpoint without one.
 QuantizationCheckContext: TypeAlias = Mapping[str, Any] | None
+
+# A structured-output backend's check() receives one request's constraint (vLLM's StructuredOutputsParams):
+# a reason against it (a Lark grammar xgrammar cannot parse, a JSON-schema feature one backend lacks) sends the
+# request to the next backend by priority. Read-only for the check.
+StructuredOutputCheckContext: TypeAlias = StructuredOutputsParams
 
 
 class SchedulerCheckContext(Protocol):

@@ -15,7 +15,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins" / "api.md"
 MODULES = ["pagedllm.api"] + [
     f"pagedllm.api.{m}"
     for m in ("attention", "kv", "sched", "model", "quantization", "loading", "kernels", "engine", "executor",
-              "spec_decode", "cli")
+              "spec_decode", "cli", "parsers", "structured_output")
 ]
 
 

@@ -49,6 +49,9 @@ SELECT: dict[str, dict[str, Any]] = {
     "executor": {"parallel": {"executor": "{name}"}},
     "command": {},  # not engine parts: the command, and `pagedllm serve --entrypoint`, run the config instead
     "entrypoint": {},
+    "tool_parser": {},  # not engine parts either: `pagedllm serve --tool-call-parser NAME` picks them
+    "reasoning_parser": {},
+    "structured_output": {"structured_outputs": {"backend": "{name}"}},
 }
 SELECTION_KEY = {"scheduler": "scheduler", "attention": "attention", "kv_manager": "kv_manager",
                  "loader": "loader", "quantization": "quantization", "model": "model",
@@ -184,6 +187,19 @@ def test_the_generated_package_installs_is_selected_and_passes_its_tests(
                                 timeout=300)
         assert served.returncode == 0, served.stderr
         assert [json.loads(line)["token_ids"] for line in served.stdout.splitlines()] == baseline
+    elif kind in ("tool_parser", "reasoning_parser"):  # the server's, by name: parse through the registry
+        probe = ("import sys\nfrom pagedllm.api import PluginKind\nfrom pagedllm.api.engine import get_plugin_manager\n"
+                 f"spec = get_plugin_manager().get(PluginKind.{kind.upper()}, {name!r})\n"
+                 "print(spec.resolve().__module__, spec.distribution)")
+        assert _run([sys.executable, "-c", probe], env).stdout.split() == [f"{package.dist.replace('-', '_')}.parser",
+                                                                           package.dist]
+    elif kind == "structured_output":  # chosen per request: the engine's greedy tokens are unchanged by it
+        probe = ("from pagedllm.api import PluginKind\nfrom pagedllm.api.engine import get_plugin_manager\n"
+                 f"spec = get_plugin_manager().get(PluginKind.STRUCTURED_OUTPUT, {name!r})\n"
+                 "print(spec.resolve().__module__, spec.distribution)")
+        assert _run([sys.executable, "-c", probe], env).stdout.split() == [
+            f"{package.dist.replace('-', '_')}.backend", package.dist]
+        assert _drive(config, env)["tokens"] == baseline
     else:
         _check_selected_and_greedy(package, config, env, baseline)
 
@@ -298,7 +314,7 @@ def test_a_kind_it_cannot_write_exits_2_listing_the_supported_ones(
     err = capsys.readouterr().err
     assert err.startswith("pagedllm: error: ") and kind in err
     assert ("supported kinds: scheduler, attention, kv_manager, loader, quantization, model, logits_processor, "
-            "proposer, executor, command, entrypoint") in err
+            "proposer, executor, command, entrypoint, tool_parser, reasoning_parser, structured_output") in err
     assert not (tmp_path / "x").exists()
 
 

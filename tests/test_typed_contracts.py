@@ -43,6 +43,9 @@ ADDED = {
     PluginKind.KV_MANAGER: ("get_num_blocks_to_allocate", "save_new_computed_blocks", "cache_blocks",
                             "find_longest_cache_hit", "remove_skipped_blocks"),
     PluginKind.COMMAND: ("add_parser",),  # a kind added after the hand list (pagedllm.protocols.command)
+    PluginKind.TOOL_PARSER: ("extract_tool_calls", "extract_tool_calls_streaming"),  # added later too
+    PluginKind.REASONING_PARSER: ("extract_reasoning_content", "extract_reasoning_content_streaming"),
+    PluginKind.STRUCTURED_OUTPUT: ("validate", "compile", "make_grammar"),  # a backend class
 }
 # Methods the protocols define but mark @optional, which the hand list had left out for that reason: the
 # engine asks for execute_pipelined with getattr, never calls a loader class's check() (selection runs the

@@ -24,6 +24,8 @@ Implementation modules, imported when a component is used, take the rest from th
     pagedllm.api.cli           command plugins (light): the engine's command-line flags and the config they give
     pagedllm.api.executor      executors: context, tensor-parallel worker and driver
     pagedllm.api.spec_decode   speculative proposers: context, requests, proposals
+    pagedllm.api.parsers       tool-call and reasoning parsers (light): protocols, deltas, streaming bases
+    pagedllm.api.structured_output  structured-output backends: context, the grammar protocol, schema helpers
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from pagedllm.hookspecs import (
     RegisterModel,
     RegisterProposer,
     RegisterQuantizationMethod,
+    RegisterReasoningParser,
     RegisterScheduler,
+    RegisterStructuredOutputBackend,
+    RegisterToolParser,
     hookimpl,
 )
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -53,6 +58,7 @@ from pagedllm.selection_context import (
     ProposerCheckContext,
     QuantizationCheckContext,
     SchedulerCheckContext,
+    StructuredOutputCheckContext,
 )
 
 # NOTE: semver over exactly the names this package and its submodules export. A minor release may add
@@ -60,7 +66,7 @@ from pagedllm.selection_context import (
 # name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
 # removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
 # PAGEDLLM_PLUGIN_API = ">=1,<2" (integer clauses compare the major), or a minor they need: ">=1.1,<2".
-API_VERSION = "1.2.0"
+API_VERSION = "1.3.0"
 PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
 
 __all__ = [
@@ -89,8 +95,12 @@ __all__ = [
     "RegisterModel",
     "RegisterProposer",
     "RegisterQuantizationMethod",
+    "RegisterReasoningParser",
     "RegisterScheduler",
+    "RegisterStructuredOutputBackend",
+    "RegisterToolParser",
     "SchedulerCheckContext",
+    "StructuredOutputCheckContext",
     "SlidingWindowSpec",
     "hookimpl",
 ]

@@ -6,6 +6,8 @@ Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from pagedllm.formats.gguf_blocks import (
     DENSE_TYPES,
     F16_FIELDS,
@@ -26,9 +28,24 @@ __all__ = [
     "LoadedModelInfo",
     "Q",
     "WeightLoadError",
+    "build_model_shard",
     "decode_blocks",
     "dequantize_blocks",
     "random_blocks",
     "read_json",
     "read_model_info",
 ]
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.config import EngineConfig
+
+
+def build_model_shard(config: EngineConfig, pm: Any = None, tp_rank: int = 0) -> tuple[torch.nn.Module, LoadedModelInfo]:
+    """One tensor-parallel rank's model, weights loaded, in this process (no KV cache, runner or group): for
+    tools that convert checkpoints. The engine's builder does the work; imported on call, so importing this
+    module stays as light as the loaders that use it."""
+    from pagedllm.engine.builder import build_model_shard as build
+
+    return build(config, pm, tp_rank)

@@ -106,6 +106,27 @@ STARTERS: dict[str, Starter] = {
         "flag (`--model`, `--config`, `--set KEY=VALUE`, ...):\n\n```bash\n"
         "echo '{\"prompt\": \"Hello\", \"max_tokens\": 8}' | pagedllm serve --entrypoint {{name}}\n```",
     ),
+    "tool_parser": Starter(
+        PluginKind.TOOL_PARSER, "parser", "{{name}}", "Llama 3.1 custom-tool calls: <function=NAME>{...}</function>",
+        "",
+        "Tool parsers have no engine config key: the server uses the one it is started with, for requests "
+        "with `tools`:\n\n```bash\npagedllm serve --model path/to/model --tool-call-parser {{name}} "
+        "--enable-auto-tool-choice\n```",
+    ),
+    "reasoning_parser": Starter(
+        PluginKind.REASONING_PARSER, "parser", "{{name}}", "<thought>...</thought> as reasoning_content",
+        "",
+        "Reasoning parsers have no engine config key: the server uses the one it is started with:\n\n```bash\n"
+        "pagedllm serve --model path/to/model --reasoning-parser {{name}}\n```",
+    ),
+    "structured_output": Starter(
+        PluginKind.STRUCTURED_OUTPUT, "backend", "{{name}}", "output constrained to one of the request's choices",
+        "structured_outputs: {backend: {{name}}}",
+        "A request names it (`StructuredOutputsParams(choice=[...], backend=\"{{name}}\")` offline; "
+        '`"structured_outputs": {"choice": [...], "backend": "{{name}}"}` over HTTP), or a config file makes it '
+        "every request's (`engine.yaml` here; then constraints other than `choice` are refused):\n\n```yaml\n"
+        "{{select}}\n```",
+    ),
 }
 _ALIASES = {"attention_backend": "attention"}  # PluginKind's own spelling
 # Kinds pagedllm has but the starter does not write (none today; a kind added to PluginKind lands here).
@@ -129,6 +150,11 @@ KIT_CHECKS: dict[str, KitCheck] = {
     "model": KitCheck(
         "check_model_architecture, tiny_hf_config", "", 'check_model_architecture(ARCHITECTURE, tiny_hf_config("llama"))'
     ),
+    # Every case whole, then streamed split at every character: the deltas must reassemble to the whole result.
+    "tool_parser": KitCheck("check_tool_parser", "", "check_tool_parser(NAME, CASES)"),
+    "reasoning_parser": KitCheck("check_reasoning_parser", "", "check_reasoning_parser(NAME, CASES)"),
+    # Seeded walks over the kit's small tokenizer: every mask exactly the tokens a reference keeps alive.
+    "structured_output": KitCheck("check_structured_output_backend", "", "check_structured_output_backend(NAME, CASES)"),
 }
 # Where a kind without a kit call says the call goes, and why it is not there yet.
 KIT_LATER = {

@@ -353,9 +353,27 @@ def _build_and_load_model(
         tp_rank, tp_size, kernels=comps.kernels, dense_config=comps.dense_config,
     )
     model = _build_model(comps.model_cls, ctx)
-    source.loader.load_weights(model, source.model_ref, source.info)
+    load_shard = getattr(source.loader, "load_shard", None)  # ModelLoader's optional member
+    if load_shard is not None:
+        load_shard(model, source.model_ref, source.info, tp_rank, tp_size)
+    else:
+        source.loader.load_weights(model, source.model_ref, source.info)
     model.eval()
     return model
+
+
+def build_model_shard(
+    config: EngineConfig, pm: PluginManager | None = None, tp_rank: int = 0
+) -> tuple[torch.nn.Module, LoadedModelInfo]:
+    """One tensor-parallel rank's model with its weights loaded, and the model's info, in this process: no KV
+    cache, runner or process group (the layers slice their rank's part while loading). For tools that
+    convert checkpoints, such as saving each rank's shard (the `sharded_state` loader's saver)."""
+    pm = pm or get_plugin_manager()
+    torch.manual_seed(config.seed)  # dummy weights are the same as the engine's for the same config
+    source = _load_model_info(config, pm)
+    tp_size = config.parallel.tensor_parallel_size
+    comps = _select_components(config, pm, source, tp_size, validate_plugin_sections(config, pm.config_models()))
+    return _build_and_load_model(config, source, comps, tp_rank, tp_size), source.info
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,17 @@ one step later than they are computed. With tensor parallelism the executor send
 ranks and does not wait for them; every rank runs it pipelined, and rank 0's sampled ids reach the others by
 a broadcast on the device (model_runner.py NOTE 2), so all ranks feed the model rank 0's tokens.
 
+NOTE(2) structured outputs. A request with `structured_outputs` waits aside (`_awaiting_grammar`) while its
+grammar compiles on the manager's thread pool (structured_output/manager.py), and enters the scheduler when it is
+ready: the batch never waits for a compiler, and scheduler plugins never see a request without its grammar.
+Around each step that has grammar requests the core fills the batch bitmask after schedule() (the runner applies
+it to the logits before sampling) and advances the grammars with the step's tokens after update_from_output; a
+grammar that terminated finishes its request (`stop`). The manager is made with the first such request, so an
+engine that never serves one pays nothing (one dict lookup per step). With async scheduling, steps run
+synchronously while grammar requests are in the engine: a pipelined step N+1 would be scheduled before step N's
+tokens reach the grammars, so its mask would be one token stale (vLLM instead fills masks in its scheduler
+process, one step behind; a possible successor here).
+
 Plugins that act on steps run wherever the core runs: the configured logits processors and the speculative
 proposer are built with the runner (builder.py, runner_plugins.py), the `step_stats` hook is called here.
 """
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from pagedllm.engine.builder import EngineParts
@@ -29,6 +41,7 @@ from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sched.stats import SchedulerStats
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -54,6 +67,8 @@ class EngineCore:
         self._errors: list[EngineCoreOutput] = []
         self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
         self._gc_threshold = gc.get_threshold()  # the process's, put back by shutdown()
+        self._structured: StructuredOutputManager | None = None  # made with the first grammar request (NOTE 2)
+        self._awaiting_grammar: dict[str, tuple[Request, Future[Any]]] = {}
         try:
             self._step_hook = self.pm.hook.step_stats
             self.async_scheduling = self._use_async_scheduling()
@@ -100,7 +115,66 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_ERROR
             self._errors.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=problem))
             return
+        if request.sampling_params.structured_outputs is not None:
+            if request.request_id in self._awaiting_grammar:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._awaiting_grammar[request.request_id] = (request, self.structured_outputs.submit(request))
+            return
         self.scheduler.add_request(request)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar manager (NOTE 2), made on first use."""
+        if self._structured is None:
+            from pagedllm.config import validate_plugin_sections
+            from pagedllm.engine.input_processing import eos_token_ids
+            from pagedllm.protocols.structured_output import StructuredOutputContext
+
+            parts, config = self.parts, self.parts.config
+            ctx = StructuredOutputContext(
+                tokenizer=parts.info.tokenizer,
+                vocab_size=int(parts.info.hf_config.vocab_size),
+                eos_token_ids=tuple(eos_token_ids(parts.info)[1]),
+                num_speculative_tokens=config.speculative.num_speculative_tokens if config.speculative.method else 0,
+            )
+            so = config.structured_outputs
+            self._structured = StructuredOutputManager(
+                self.pm, ctx, default_backend=so.backend, compile_threads=so.compile_threads,
+                cache_size=so.cache_size, plugin_sections=validate_plugin_sections(config, self.pm.config_models()),
+            )
+        return self._structured
+
+    def _admit_compiled(self, outputs: list[EngineCoreOutput]) -> None:
+        """Move requests whose grammar is ready into the scheduler; fail those whose grammar did not compile.
+        With nothing else to run, wait (briefly) for a compilation rather than spin."""
+        waiting = self._awaiting_grammar
+        if not self.scheduler.has_unfinished_requests():
+            wait([f for _, f in waiting.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for rid, (request, future) in list(waiting.items()):
+            if not future.done():
+                continue
+            del waiting[rid]
+            exc = future.exception()
+            if exc is not None:
+                request.status = RequestStatus.FINISHED_ERROR
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="error",
+                                                error=f"structured_outputs: {exc}"))
+                continue
+            assert self._structured is not None
+            self._structured.grammars[rid] = future.result()
+            self.scheduler.add_request(request)
+
+    def _grammar_step(self, scheduler_output: Any) -> None:
+        """Attach this step's token masks (NOTE 2) to the scheduler's message."""
+        if self._structured is not None and self._structured.grammars:
+            scheduler_output.structured_output = self._structured.bitmask(scheduler_output, self.scheduler.requests)
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feed the step's tokens to the grammars; finish those they ended (NOTE 2)."""
+        if self._structured is None or not self._structured.grammars:
+            return
+        for status, ids in _by_status(self._structured.advance(outputs, self.scheduler.requests)).items():
+            self.scheduler.finish_requests(ids, status)
 
     def _reject_reason(self, request: Request) -> str | None:
         max_len = self.parts.max_model_len
@@ -119,21 +193,46 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self._structured is not None:
+            for rid in request_ids:
+                entry = self._awaiting_grammar.pop(rid, None)
+                if entry is not None:
+                    entry[0].status = RequestStatus.FINISHED_ABORTED
+            self._structured.remove(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._errors) or self.scheduler.has_unfinished_requests()
+        return bool(self._errors) or bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._errors = self._errors, []
-        if self.async_scheduling:
+        if self._awaiting_grammar:
+            self._admit_compiled(outputs)
+        grammars = self._structured is not None and bool(self._structured.grammars)
+        if self.async_scheduling and not grammars:
             return self._step_pipelined(outputs)
+        if self._in_flight is not None:
+            self._drain_pipelined(outputs)  # grammar requests arrived: finish the step in flight first (NOTE 2)
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
+        if grammars:
+            self._grammar_step(scheduler_output)
         runner_output = self._execute(scheduler_output)
-        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if grammars:
+            self._advance_grammars(step_outputs)
+        outputs.extend(step_outputs)
         self._report(scheduler_output)
         return outputs
+
+    def _drain_pipelined(self, outputs: list[EngineCoreOutput]) -> None:
+        """Apply the pipelined step in flight (an empty step launches nothing and returns it)."""
+        from pagedllm.engine.messages import SchedulerOutput
+
+        previous = self._execute_pipelined(SchedulerOutput([], [], {}, 0))
+        if previous is not None:
+            outputs.extend(self.scheduler.update_from_output(self._in_flight, previous))
+        self._in_flight = None
 
     def _step_pipelined(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Launch the next step, then apply the one before it (NOTE 1)."""
@@ -164,8 +263,17 @@ class EngineCore:
         """Stop the executor's remote ranks (a no-op for the in-process executor); safe to call twice."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self._structured is not None:
+            self._structured.shutdown()
         release = getattr(self.runner, "release", None)  # a runner without it keeps its tensors until collected
         if release is not None:
             release()
         gc.unfreeze()  # see __init__: the engine's objects may be collected again
         gc.set_threshold(*self._gc_threshold)
+
+
+def _by_status(finish: dict[str, RequestStatus]) -> dict[RequestStatus, list[str]]:
+    grouped: dict[RequestStatus, list[str]] = {}
+    for rid, status in finish.items():
+        grouped.setdefault(status, []).append(rid)
+    return grouped

@@ -21,13 +21,13 @@ parameter (an OpenAI 400); the offline engine accepts it and the core finishes i
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.protocols.loader import LoadedModelInfo
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -82,10 +82,22 @@ class RequestBuilder:
     """The frontends' one request-building sequence: id check, tokenize, validate (server policy, NOTE 2),
     complete the params (max_tokens, stop ids), fan out n samples, build the engine-core requests."""
 
-    def __init__(self, tokenizer: Any | None, limits: ModelLimits, *, reject_unrunnable: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        limits: ModelLimits,
+        *,
+        reject_unrunnable: bool,
+        check_structured_outputs: Callable[[StructuredOutputsParams], StructuredOutputsParams] | None = None,
+    ) -> None:
+        """:param check_structured_outputs: returns the constraint the engine will run (engine-wide options
+            applied), or raises ValueError naming the field for a constraint no backend can serve (pagedllm.structured_output.selection.validate_structured_outputs, bound to the engine's
+            plugins); both frontends pass it, so a bad schema fails when the request is built (vLLM's
+            validate_structured_output_request)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.reject_unrunnable = reject_unrunnable
+        self.check_structured_outputs = check_structured_outputs
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -107,10 +119,16 @@ class RequestBuilder:
             raise RequestValidationError(f"request id {request_id!r} is already in use", "request_id")
         prompt_text, prompt_ids = self.tokenize(prompt)
         params = params or SamplingParams()
+        prompt_ids = self.truncate(prompt_ids, params)
+        self.validate_params(params)
         if self.reject_unrunnable:
             self.validate(prompt_ids, params, prompt_param)
         limits = self.limits
         params = complete_params(params, len(prompt_ids), limits.max_model_len, set(limits.eos_token_ids))
+        if params.structured_outputs is not None:  # (on the private copy: the caller's params stay as given)
+            params.structured_outputs = self.validate_structured_outputs(params.structured_outputs)
+        if params.bad_words:
+            params._bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = fan_out(request_id, params)
         requests = [
@@ -120,19 +138,68 @@ class RequestBuilder:
         ]
         return PreparedRequest(request_id, prompt_text, prompt_ids, arrival, samples, requests)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
-        """Reject what the core could never run (NOTE 2), naming the parameter to fix."""
+    def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last `truncate_prompt_tokens` prompt ids (vLLM keeps the end, where the question usually is)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep > self.limits.max_model_len:
+            raise RequestValidationError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.limits.max_model_len}); "
+                "select a smaller truncation size", "truncate_prompt_tokens",
+            )
+        return prompt_ids[-keep:]
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Token ids in the params must name tokens of this vocabulary, in either frontend (vLLM checks
+        allowed_token_ids and logit_bias the same way); bad_words need a tokenizer to become ids."""
+        vocab = self.limits.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestValidationError(
+                    f"{name} must be token ids in [0, {vocab}) (this model's vocabulary), got {bad[:5]}", name
+                )
+        if params.bad_words and self.tokenizer is None:
+            raise RequestValidationError("bad_words needs a tokenizer, and this model has none", "bad_words")
+
+    def validate_structured_outputs(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The constraint the engine runs; RequestValidationError with `param` = the field the backend's
+        message starts with ("structured_outputs.json: ..."), for a constraint no backend serves."""
+        if self.check_structured_outputs is None:
+            return params
+        try:
+            return self.check_structured_outputs(params)
+        except RequestValidationError:
+            raise
+        except ValueError as exc:
+            message = str(exc)
+            head = message.split(":", 1)[0]
+            param = head if head.startswith("structured_outputs") and " " not in head else "structured_outputs"
+            raise RequestValidationError(message, param) from None
+
+    def validate_prompt(self, prompt_ids: list[int], prompt_param: str = "prompt") -> None:
+        """Reject a prompt the core could never run: empty, ids outside the vocabulary, or no room left in
+        the context for even one token. Both frontends raise for these (vLLM's LLM.generate raises too)."""
         max_len = self.limits.max_model_len
         if not prompt_ids:
             raise RequestValidationError("the prompt is empty", prompt_param)
         vocab = self.limits.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", prompt_param)
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestValidationError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", prompt_param)
         if len(prompt_ids) >= max_len:
             raise RequestValidationError(
                 f"This model's maximum context length is {max_len} tokens. However, the prompt has "
                 f"{len(prompt_ids)} tokens, leaving no room for the completion.", prompt_param,
             )
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams, prompt_param: str = "prompt") -> None:
+        """Reject what the core could never run (NOTE 2), naming the parameter to fix."""
+        self.validate_prompt(prompt_ids, prompt_param)
+        max_len = self.limits.max_model_len
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
             raise RequestValidationError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
@@ -171,10 +238,32 @@ def complete_params(
     if params.max_tokens is None:
         params.max_tokens = max(1, max_model_len - num_prompt_tokens)
     stop_ids = set(params.stop_token_ids or [])
+    # min_tokens holds back EOS even with ignore_eos (vLLM's all_stop_token_ids always has it).
+    params._min_tokens_stop_ids = stop_ids | eos_token_ids
     if not params.ignore_eos:
         stop_ids |= eos_token_ids
     params._all_stop_token_ids = stop_ids
     return params
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequence, alone and after a space (vLLM's update_from_tokenizer): a word
+    mid-sentence is usually a different token (" word") than at the start ("word"). The spaced form is kept
+    only when it is a different sequence of the same length (otherwise it is the same word tokenized the
+    same way, or a space token followed by the word, which would ban every space)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        plain: list[int] | None = None
+        for prefix in ("", " "):
+            ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                continue
+            if plain is None:
+                plain = ids
+                sequences.append(ids)
+            elif ids[0] != plain[0] and len(ids) == len(plain):
+                sequences.append(ids)
+    return sequences
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

@@ -19,6 +19,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
+from pagedllm.structured_output.selection import structured_outputs_check
 
 
 class LLMEngine:
@@ -64,7 +65,8 @@ class LLMEngine:
 
     def _request_builder(self, limits: ModelLimits) -> RequestBuilder:
         # input_processing.py NOTE 2: a request the core can never run is accepted and fails alone.
-        return RequestBuilder(self.tokenizer, limits, reject_unrunnable=False)
+        return RequestBuilder(self.tokenizer, limits, reject_unrunnable=False,
+                              check_structured_outputs=structured_outputs_check(self.pm, self.config))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.requests.tokenize(prompt)

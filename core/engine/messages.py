@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch-free at run time: the bitmask's module imports torch
+    from pagedllm.structured_output.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -40,6 +44,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled for verification, per request (counted in
     # num_scheduled_tokens, after the request's known tokens). Requests without drafts are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: the token masks of the grammar requests that sample this step, filled by the engine
+    # core after schedule() (structured_output/manager.py); None when the step has none (the runner skips it).
+    structured_output: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -65,6 +72,9 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the draft tokens proposed for the next step (empty: none). Empty
     # list when speculation is off.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Prompt logprobs computed this step, for requests that asked: req_id -> (first prompt position the
+    # entries describe, one entry per position: the actual prompt token first, then the top-N).
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +86,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Prompt logprobs of positions [prompt_logprobs_start, + len): worker/prompt_logprobs.py.
+    new_prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
 
     @property
     def finished(self) -> bool:

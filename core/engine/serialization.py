@@ -19,7 +19,7 @@ import msgspec
 
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.request import Request
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.sched.stats import SchedulerStats
 
 # -- API process -> engine core ---------------------------------------------------------------------------
@@ -102,14 +102,23 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     """Plain fields plus the engine-filled stop ids (a private field msgspec would otherwise skip)."""
     out = {name: getattr(params, name) for name in _PARAM_FIELDS}
     out["all_stop_token_ids"] = sorted(params.all_stop_token_ids)
+    out["min_tokens_stop_ids"] = sorted(params.min_tokens_stop_ids)
+    out["bad_words_token_ids"] = params.bad_words_token_ids
     return out
 
 
 def params_from_dict(data: dict[str, Any]) -> SamplingParams:
     data = dict(data)
     stop_ids = data.pop("all_stop_token_ids", [])
+    min_tokens_ids = data.pop("min_tokens_stop_ids", [])
+    bad_words_ids = data.pop("bad_words_token_ids", [])
+    structured = data.get("structured_outputs")
+    if isinstance(structured, dict):  # msgpack carried the dataclass as its fields
+        data["structured_outputs"] = StructuredOutputsParams(**structured)
     params = SamplingParams(**{k: v for k, v in data.items() if k in _PARAM_FIELDS})
     params._all_stop_token_ids = set(stop_ids)
+    params._min_tokens_stop_ids = set(min_tokens_ids)
+    params._bad_words_token_ids = [list(ids) for ids in bad_words_ids]
     return params
 
 

@@ -48,3 +48,13 @@ class ModelLoader(Protocol):
         path, when a weight is missing or malformed; `dummy` fills parameters with small random values.
         """
         ...
+
+    @optional
+    def load_shard(self, module: torch.nn.Module, model: str, info: LoadedModelInfo, tp_rank: int, tp_size: int) -> None:
+        """Fill one tensor-parallel rank's model from a checkpoint saved per rank (already sharded).
+
+        Optional: the engine calls it instead of `load_weights` when the loader has it, so a format that
+        stores each rank's own tensors (the `sharded_state` loader) knows which rank's files to read. Without
+        it, `load_weights` streams whole tensors and each layer takes its rank's slice.
+        """
+        ...

@@ -28,6 +28,7 @@ class EngineRun:
     tokens: list[list[int]]
     steps: list[tuple[int, int]] = field(default_factory=list)
     num_preemptions: int = 0
+    last_stats: Any = None  # the scheduler's stats after the last step (SchedulerStats)
 
 
 def merged(base: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -48,14 +49,19 @@ def run_greedy(
     *,
     config: Mapping[str, Any] | None = None,
     plugin_manager: PluginManager | None = None,
+    extra_args: Mapping[str, Any] | None = None,
 ) -> EngineRun:
-    """Generate `max_tokens` greedy tokens (EOS ignored) for each prompt with one engine, then shut it down."""
+    """Generate `max_tokens` greedy tokens (EOS ignored) for each prompt with one engine, then shut it down.
+
+    :param extra_args: every request's `SamplingParams.extra_args` (per-request logits-processor arguments).
+    """
     from pagedllm import EngineConfig, LLMEngine, SamplingParams
     from pagedllm.testing.components import manager_or_default
 
     pm = manager_or_default(plugin_manager)
     engine_config = EngineConfig.from_dict(merged(SMALL_ENGINE, {**(config or {}), "model": model}))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            extra_args=dict(extra_args) if extra_args else None)
     run = EngineRun([])
     with _recording_steps(pm, run):
         engine = LLMEngine(engine_config, pm)
@@ -90,6 +96,7 @@ def _recording_steps(pm: PluginManager, run: EngineRun) -> Iterator[None]:
         def step_stats(self, stats: Any, num_scheduled_tokens: int, num_requests: int) -> None:
             run.steps.append((num_scheduled_tokens, num_requests))
             run.num_preemptions = max(run.num_preemptions, int(getattr(stats, "num_preemptions", 0)))
+            run.last_stats = stats
 
     name = f"pagedllm-testing-steps-{next(_plugins)}"
     pm.register(Recorder(), name, distribution="pagedllm.testing")

@@ -52,7 +52,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ from pagedllm.sample.metadata import SamplingMetadata, to_device
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.spec_decode.verification import verify
+from pagedllm.structured_output.bitmask import apply_bitmask
+from pagedllm.worker import prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeGraphs, GPURunnerOptions, StepBuffers, graph_ladder
 from pagedllm.worker.input_prep import (
     BlockTableCache,
@@ -93,6 +95,8 @@ class _PendingStep:
     host: torch.Tensor | None  # pinned copy of `sampled` (CUDA), valid once `ready` has happened
     ready: Any  # torch.cuda.Event, or None on the CPU (already synchronous)
     logprobs: Any  # LogprobsTensors | None
+    # req_id -> (start position, LogprobsTensors) of the prompt logprobs computed by this step.
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -132,6 +136,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         # Generators outlive preemption so a seeded request continues its random stream when it resumes.
         self._generators: dict[str, torch.Generator] = {}
+        # Requests that asked for prompt logprobs (worker/prompt_logprobs.py): empty, the step skips them all.
+        self._prompt_logprob_reqs: set[str] = set()
         self.options = options or GPURunnerOptions(cuda_graphs=False)
         self._buffers: StepBuffers | None = None
         self._graphs: DecodeGraphs | None = None
@@ -233,10 +239,13 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
             self._generators.pop(rid, None)
+            self._prompt_logprob_reqs.discard(rid)
         for rid in so.preempted_req_ids:
             self.states.pop(rid, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_logprob_reqs.add(new.req_id)
             gen = self._generators.get(new.req_id)
             if gen is None and params.seed is not None and not params.greedy:
                 gen = torch.Generator(device=self.device)
@@ -268,10 +277,15 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
 
         req_ids, states, num_sched = self._layout(so)
+        prompt_slots = (prompt_logprobs.plan(req_ids, states, num_sched, self._prompt_logprob_reqs)
+                        if self._prompt_logprob_reqs else None)
         # Speculative decoding: a request's scheduled drafts follow its known tokens (core/spec_decode/).
         spec = so.scheduled_spec_decode_tokens
         token_ids = [s.token_ids + spec[r] if r in spec else s.token_ids for r, s in zip(req_ids, states)]
         inputs, hidden = self._forward_states(states, token_ids, num_sched)
+        prompt_lps = (prompt_logprobs.to_entries(prompt_logprobs.compute(self.model, hidden, prompt_slots,
+                                                                         self.vocab_size))
+                      if prompt_slots else {})
         logits_indices = inputs.logits_indices[: len(states)]  # graph padding rows are never sampled
 
         # Only requests whose scheduled tokens reach the end of their known tokens get a sample.
@@ -285,6 +299,8 @@ class ModelRunner:
             rows_idx = Speculator.logits_rows([last_rows[i] - 1 for i in sample_rows], [len(d) for d in drafts])
             logits = self.model.compute_logits(hidden[torch.tensor(rows_idx, device=hidden.device)])
             rows = [states[i] for i in sample_rows]
+            if so.structured_output is not None:  # drafts are verified under their positions' masks
+                self._apply_grammar(so, logits, [req_ids[i] for i in sample_rows], [len(d) + 1 for d in drafts])
             # A runner without the proposer (a remote tensor-parallel rank) verifies with one-hot q.
             verified = (self.speculator.verify(self.sampler, logits, rows, drafts) if self.speculator is not None
                         else verify(self.sampler, logits, rows, drafts, [None] * len(rows), self.vocab_size))
@@ -297,6 +313,8 @@ class ModelRunner:
             idx = logits_indices[sample_rows] if len(sample_rows) < len(states) else logits_indices
             logits = self.model.compute_logits(hidden[idx])
             rows = [states[i] for i in sample_rows]
+            if so.structured_output is not None:
+                self._apply_grammar(so, logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
             metadata = SamplingMetadata.build(
                 [s.sampling_params for s in rows],
                 [s.generator for s in rows],
@@ -324,7 +342,25 @@ class ModelRunner:
         if self.speculator is not None and sample_rows:
             drafts_next = self.speculator.propose([states[i] for i in sample_rows])
             proposals = [drafts_next.get(r, []) for r in req_ids]
-        return ModelRunnerOutput(req_ids, sampled, logprobs, proposals)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, proposals, prompt_lps)
+
+    @staticmethod
+    def _apply_grammar(so: SchedulerOutput, logits: torch.Tensor, req_ids: list[str], num_rows: list[int]) -> None:
+        """Mask the logits of the structured-output requests (rows per request: `num_rows`, in order) with the
+        engine core's bitmask (structured_output/manager.py), on the device, outside any graph."""
+        grammar = so.structured_output
+        assert grammar is not None
+        logit_rows: list[int] = []
+        mask_rows: list[int] = []
+        row = 0
+        for rid, n in zip(req_ids, num_rows):
+            first = grammar.rows.get(rid)
+            if first is not None:
+                logit_rows.extend(range(row, row + n))
+                mask_rows.extend(range(first, first + n))
+            row += n
+        if logit_rows:
+            apply_bitmask(logits, grammar.bitmask, logit_rows, mask_rows)
 
     def _layout(self, so: SchedulerOutput) -> tuple[list[str], list[CachedRequestState], list[int]]:
         """The step's requests, decodes first (backends batch the query_len == 1 rows together)."""
@@ -363,8 +399,12 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return self._resolve_pending()
         req_ids, states, num_sched = self._layout(so)
+        prompt_slots = (prompt_logprobs.plan(req_ids, states, num_sched, self._prompt_logprob_reqs)
+                        if self._prompt_logprob_reqs else None)
         inputs, hidden = self._forward_states(states, [s.token_ids for s in states], num_sched,
                                               self._placeholder_fill(states, num_sched))
+        # Kept on the device with the step; copied to the host when the step is resolved.
+        prompt_lps = prompt_logprobs.compute(self.model, hidden, prompt_slots, self.vocab_size) if prompt_slots else {}
         # The forward is queued behind the previous step; now take that step's ids (waits for it alone).
         previous = self._resolve_pending()
         # Rows whose scheduled tokens reach the end of what is known sample; one pass over the batch.
@@ -374,7 +414,7 @@ class ModelRunner:
             if s.num_computed_tokens >= s.num_tokens:
                 sample_rows.append(i)
         if not sample_rows:
-            self._pending = _PendingStep(req_ids, [], [], [], torch.empty(0), None, None, None)
+            self._pending = _PendingStep(req_ids, [], [], [], torch.empty(0), None, None, None, prompt_lps)
             return previous
         logits_indices = inputs.logits_indices[: len(states)]
         if len(sample_rows) < len(states):  # (an index from a host list would wait for the forward)
@@ -393,7 +433,8 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         positions = [r.append_output(PLACEHOLDER) for r in rows]
-        self._pending = _PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs)
+        self._pending = _PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs,
+                                     prompt_lps)
         return previous
 
     def _sample_pipelined(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> tuple[torch.Tensor, Any]:
@@ -474,7 +515,8 @@ class ModelRunner:
                 entries = pending.logprobs.to_entries([st.sampling_params.logprobs for st in pending.states])
                 for j, i in enumerate(pending.sample_rows):
                     logprobs[i] = None if entries[j] is None else [entries[j]]
-        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, [])
+        return ModelRunnerOutput(pending.req_ids, sampled, logprobs, [],
+                                 prompt_logprobs.to_entries(pending.prompt_logprobs) if pending.prompt_logprobs else {})
 
     def forward_tokens(
         self,

@@ -1,4 +1,4 @@
-"""Registers the `hf` loader: a Hugging Face model folder (config.json + safetensors, sharded or not)."""
+"""Registers the `hf` loader: a Hugging Face model folder (config.json + safetensors or .bin / .pt, sharded or not)."""
 
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ def _check(model: LoaderCheckContext) -> list[str]:
 
 @hookimpl
 def register_loaders(register: RegisterLoader) -> None:
-    register("hf", _load, priority=10, check=_check, description="HF folder with config.json and safetensors")
+    register("hf", _load, priority=10, check=_check, description="HF folder with config.json and safetensors or .bin / .pt")

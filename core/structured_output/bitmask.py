@@ -1,0 +1,77 @@
+"""The batch token bitmask: its layout, allocation, and its application to the logits on the device.
+
+Layout (xgrammar's and llguidance's): one row per masked logits row, ceil(vocab / 32) int32 words; bit j of
+word w set = token 32 w + j may be sampled. A row of -1 allows everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A CPU int32 bitmask of `num_rows` rows, everything allowed (backends fill it in place)."""
+    return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks, carried by SchedulerOutput.structured_output from the engine core to the runner.
+
+    `rows[req_id]` is the first row of the request's masks: one per logits row it samples this step (one,
+    or, with drafts, one per draft position plus the bonus position, in order).
+    """
+
+    rows: dict[str, int]
+    bitmask: torch.Tensor  # [num_rows, width] int32, CPU
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int], mask_rows: list[int]) -> None:
+    """Set to -inf, in place, every logit of `logits[logit_rows[i]]` that row `mask_rows[i]` of `bitmask` forbids.
+
+    On the logits' device, after the model (outside any CUDA graph) and before the sampler; the only host
+    work is the index lists. The bits are unpacked with shifts on an accelerator, with numpy on the CPU.
+    """
+    device = logits.device
+    vocab = logits.shape[-1]
+    identity = len(mask_rows) == bitmask.shape[0] and mask_rows == list(range(len(mask_rows)))
+    if device.type == "cpu":
+        forbidden = _forbidden_cpu(bitmask if identity else bitmask[mask_rows], vocab)
+    else:
+        mask = bitmask.to(device, non_blocking=True)
+        if not identity:
+            mask = mask[torch.tensor(mask_rows, device=device)]
+        forbidden = forbidden_by_shifts(mask, vocab)
+    if logit_rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    index = torch.tensor(logit_rows, device=device)
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+def forbidden_by_shifts(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True = forbidden, with elementwise shifts on `mask`'s device (an accelerator's
+    path: one fused-able elementwise pass, no host work)."""
+    shifts = _SHIFTS.get(mask.device)
+    if shifts is None:
+        shifts = _SHIFTS[mask.device] = torch.arange(32, dtype=torch.int32, device=mask.device)
+    return ((mask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
+
+
+def _forbidden_cpu(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True = forbidden, from the int32 words in one numpy pass: the words are inverted
+    (1/32 of the elements), unpacked, and the 0/1 bytes read as bools without a copy; torch's shifts would
+    build a [rows, width, 32] int32 intermediate and then invert a full-size mask. Little-endian words put
+    tokens 32 w + 8 b + (0..7) in byte b of word w, least significant bit first: bitorder "little"."""
+    words = np.invert(bitmask.contiguous().numpy())
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
