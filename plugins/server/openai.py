@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.api import RegisterEntrypoint, hookimpl
+from pagedllm.plugins.server.options import ServerSection
 
 
 def _load() -> Any:
@@ -21,4 +22,5 @@ def register_entrypoints(register: RegisterEntrypoint) -> None:
     register(
         "openai", _load, priority=10, requires=("fastapi", "uvicorn", "zmq", "msgspec", "prometheus_client"),
         description="OpenAI-compatible HTTP server (FastAPI + uvicorn) on an engine-core process",
+        config_model=ServerSection,
     )

@@ -1,0 +1,1 @@
+"""In-tree tool-call parsers, one package each: `hermes`, `llama3_json`, `mistral`, `pythonic`."""
