@@ -50,6 +50,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
+        # Stop strings wait for min_tokens too, as stop ids do (vLLM checks them once outputs > min_tokens).
+        self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
         self._text = ""
         self._prefix_offset = 0
@@ -86,7 +88,7 @@ class IncrementalDetokenizer:
         # One window step per token keeps each window short (decode cost is linear in it).
         for end in range(len(self.token_ids) - len(new_token_ids) + 1, len(self.token_ids) + 1):
             self._text += self._decode_step(end)
-        if not self.stop or len(self._text) == old_len:
+        if not self.stop or len(self._text) == old_len or len(self.token_ids) <= self.min_tokens:
             return None
         return self._check_stop(old_len)
 

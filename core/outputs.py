@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then token id -> Logprob (the actual
+# prompt token plus the top-N), vLLM's shape.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -54,3 +57,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs set; None otherwise.
+    prompt_logprobs: PromptLogprobs | None = None

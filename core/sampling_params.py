@@ -66,7 +66,11 @@ class SamplingParams:
     """Per-request sampling and stopping controls.
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and min_p 0.0 disable theirs.
-    `logprobs=N` returns the sampled token's logprob plus the top N; `prompt_logprobs` is not supported yet.
+    `logprobs=N` returns the sampled token's logprob plus the top N; `prompt_logprobs=N` returns, for every prompt
+    position after the first, the logprob of the actual prompt token plus the top N (vLLM's semantics).
+    `logit_bias` (token id -> bias added to its logit), `allowed_token_ids` (only these may be sampled) and
+    `bad_words` (strings whose token sequences must not be generated) act before the penalties, as vLLM V1's.
+    `truncate_prompt_tokens=K` keeps the last K prompt tokens.
     """
 
     n: int = 1
@@ -88,12 +92,22 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Per-request arguments for logits processors and other plugins, keyed by plugin (vLLM's extra_args).
     extra_args: dict[str, Any] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, EBNF/Lark, structural tag); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user knob.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: the ids min_tokens forbids -- stop_token_ids and every EOS id, with ignore_eos too
+    # (vLLM's `all_stop_token_ids`: ignore_eos means EOS does not stop, not that it may end the minimum early).
+    _min_tokens_stop_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from `bad_words` and the tokenizer: each word's token sequence(s) (vLLM's).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +153,27 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.stop_token_ids and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty (nothing could be sampled)")
+            if not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", f"must be token ids (integers >= 0), got {self.allowed_token_ids!r}")
+        if self.logit_bias:
+            for tid, value in self.logit_bias.items():
+                if not _is_int(tid) or tid < 0:
+                    raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {tid!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                    raise bad("logit_bias", f"values must be numbers, got {value!r} for token {tid}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be a list of non-blank strings")
         assert self.stop is not None
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
@@ -151,6 +186,15 @@ class SamplingParams:
     def all_stop_token_ids(self) -> set[int]:
         return self._all_stop_token_ids
 
+    @property
+    def min_tokens_stop_ids(self) -> set[int]:
+        """The ids forbidden until min_tokens is reached (stop ids and EOS, ignore_eos or not)."""
+        return self._min_tokens_stop_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
     def clone(self) -> SamplingParams:
         import copy
 
@@ -159,6 +203,19 @@ class SamplingParams:
         new.stop = list(self.stop or [])
         new.stop_token_ids = list(self.stop_token_ids or [])
         new._all_stop_token_ids = set(self._all_stop_token_ids)
+        new._min_tokens_stop_ids = set(self._min_tokens_stop_ids)
+        new._bad_words_token_ids = [list(ids) for ids in self._bad_words_token_ids]
+        if self.logit_bias is not None:
+            new.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            new.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            new.bad_words = list(self.bad_words)
         if self.extra_args:
             new.extra_args = copy.deepcopy(self.extra_args)
         return new
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; `True` as a token id is a client bug, not token 1.
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -110,14 +110,15 @@ def test_aborts_free_everything_and_spare_the_rest(model_dir: str) -> None:
     assert engine.kv_cache_usage == 0.0
 
 
-def test_too_long_prompt_fails_alone(model_dir: str) -> None:
+def test_too_long_prompt_raises_before_anything_runs(model_dir: str) -> None:
+    # vLLM's LLM.generate raises ValueError for a prompt that can never fit; nothing of the batch is left queued.
     llm = LLM(model_dir, block_size=4, max_model_len=64)
     prompts = [[5] * 10, [6] * 100, [7] * 12]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert outs[1].outputs[0].finish_reason == "error"
-    assert outs[1].error is not None and "100 tokens" in outs[1].error and "64" in outs[1].error
-    for i in (0, 2):
-        assert outs[i].error is None and len(outs[i].outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens.*100 tokens"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate([{"prompt_token_ids": p} for p in (prompts[0], prompts[2])], GREEDY, use_tqdm=False)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 16 for o in outs)
     assert llm.engine.kv_cache_usage == 0.0
 
 

@@ -69,8 +69,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        A prompt the engine cannot run (e.g. longer than the context) yields an output with
-        finish_reason "error" and `error` set; the others still complete.
+        Raises ValueError, before anything runs, for a prompt the engine can never run (empty, token ids
+        outside the vocabulary, no room left in the context) or params it cannot honour (token ids outside
+        the vocabulary, ...), as vLLM's LLM.generate does.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -88,11 +89,24 @@ class LLM:
                 final_only[id(params)] = params.clone()
                 final_only[id(params)].output_kind = RequestOutputKind.FINAL_ONLY
         params_list = [final_only[id(p)] for p in params_list]
-        order: dict[str, int] = {}
+        builder = self.engine.requests
+        checked: list[PromptType] = []
         for prompt, params in zip(prompt_list, params_list):
-            rid = str(next(self._ids))
-            order[rid] = len(order)
-            self.engine.add_request(rid, prompt, params)
+            # Tokenized once here, so the checks see what the engine will run (after truncation).
+            text, ids = builder.tokenize(prompt)
+            ids = builder.truncate(ids, params)
+            builder.validate_params(params)
+            builder.validate_prompt(ids)
+            checked.append({"prompt": text, "prompt_token_ids": ids})
+        order: dict[str, int] = {}
+        try:
+            for prompt, params in zip(checked, params_list):
+                rid = str(next(self._ids))
+                order[rid] = len(order)
+                self.engine.add_request(rid, prompt, params)
+        except BaseException:
+            self.engine.abort_request(list(order))  # nothing half-submitted stays queued
+            raise
         return self._run(order, use_tqdm)
 
     def chat(
@@ -102,8 +116,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with `tools`, OpenAI tool objects, rendered
+        by it as vLLM's `LLM.chat(tools=...)` does), then generate."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -111,7 +127,8 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             ids = tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template,
+                tools=tools,
             )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]

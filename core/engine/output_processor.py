@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import EngineCoreOutput, LogprobsEntry
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -43,6 +43,8 @@ class _RequestState:
     num_cached_tokens: int = 0
     error: str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # [None] + one slot per later prompt position, filled as prefill chunks report them; None: not asked.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +67,8 @@ class OutputProcessor:
     ) -> None:
         state = _RequestState(request_id, prompt, prompt_token_ids, {}, RequestMetrics(arrival_time))
         state.output_kind = samples[0][1].output_kind if samples else RequestOutputKind.CUMULATIVE
+        if samples and samples[0][1].prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
         for index, (core_id, params) in enumerate(samples):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             sample = _Sample(index, params, detok)
@@ -98,7 +102,11 @@ class OutputProcessor:
                 continue
             if out.error:
                 state.error = out.error
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state.prompt_logprobs, out.prompt_logprobs_start, out.new_prompt_logprobs)
             new_token_ids = out.new_token_ids
+            if not new_token_ids and out.finish_reason is None and not out.error:
+                continue  # a prefill chunk's prompt logprobs alone: shown with the first token
             if new_token_ids:
                 m = state.metrics
                 if m.first_token_time is None:
@@ -162,6 +170,17 @@ class OutputProcessor:
             assert sample.cumulative_logprob is not None
             sample.cumulative_logprob += entry.logprobs[0]
 
+    def _add_prompt_logprobs(self, slots: PromptLogprobs, start: int, entries: list[LogprobsEntry]) -> None:
+        # Written by position, once: n samples each compute them, and a recompute after preemption repeats them.
+        for pos, entry in enumerate(entries, start=start):
+            if pos >= len(slots) or slots[pos] is not None:
+                continue
+            position: dict[int, Logprob] = {}
+            for tid, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+                if tid not in position:  # the actual token comes first and may reappear in the top-N
+                    position[tid] = Logprob(lp, rank, self._decode_one(tid))
+            slots[pos] = position
+
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -179,6 +198,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             error=state.error,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     @staticmethod

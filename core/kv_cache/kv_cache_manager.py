@@ -140,6 +140,10 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self.empty_blocks(), 0
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position's hidden state, so nothing may be skipped (as vLLM);
+            # the blocks this request computes are still cached for the others.
+            return self.empty_blocks(), 0
         update_block_hashes(request, self.block_size)
         max_length = max(request.num_tokens - 1, 0)
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)

@@ -1,4 +1,4 @@
-"""Logits processors: named plugins that edit a step's logits before the sampler's own controls.
+"""Logits processors: named plugins that edit a step's logits after the built-in token edits, before penalties.
 
 Design (vLLM V1's, simplified): processors are *engine-level*. The config's `logits_processors: [name, ...]`
 builds each one once per engine, with its validated `plugins.<name>` section; each step the sampler calls
@@ -6,7 +6,8 @@ every processor, in config order, on the whole batch's [B, V] float32 logits —
 step, not one per request. A processor that acts on some requests only reads per-request arguments from
 `SamplingParams.extra_args` (a dict; `batch.extra_args(i)` is row i's, `{}` when unset).
 
-    raw logits ──► logprobs (reported) ──► logits processors ──► min_tokens ──► penalties ──► temperature ...
+    raw logits ──► logprobs (reported) ──► allowed_token_ids, bad_words, logit_bias, min_tokens
+               ──► logits processors ──► penalties ──► temperature ...
 
 Logprobs stay those of the model's raw distribution (vLLM's default), so a processor's bans do not show up
 as -inf logprobs.

@@ -59,6 +59,15 @@ class SamplingMetadata:
 
     vocab_size: int
 
+    # [B, V] bool, True where a token is *not* allowed (rows without allowed_token_ids are all False); None
+    # when no row restricts its tokens. Fixed per request, so a steady batch reuses it.
+    allowed_token_ids_mask: torch.Tensor | None = None
+    # (rows, token ids, biases) added to the logits (OpenAI's logit_bias); None when no row has a bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids) banned this step because a bad word's prefix was just generated (single-token bad
+    # words always); None when nothing is banned.
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
     # The rows' params and token lists (references, no copies) for logits processors.
     logits_batch: LogitsBatch | None = None
 
@@ -69,6 +78,15 @@ class SamplingMetadata:
     source_device: torch.device | None = field(default=None, repr=False, compare=False)
     # Rows with min_tokens > 0 (the only ones the per-step min_tokens mask can hold).
     min_tokens_rows: list[int] = field(default_factory=list, repr=False, compare=False)
+    # Rows with bad words (the only ones the per-step bad-words mask can hold).
+    bad_words_rows: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def no_token_edits(self) -> bool:
+        """True when no row restricts, bans or biases tokens (allowed_token_ids, bad_words, logit_bias,
+        min_tokens): the logits reach the penalties untouched."""
+        return (self.allowed_token_ids_mask is None and self.logit_bias is None and self.bad_words_mask is None
+                and self.min_tokens_mask is None)
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +156,8 @@ class SamplingMetadata:
             repetition = f32([p.repetition_penalty for p in params])
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        # One pass finds the rows that restrict, bias or ban tokens; a batch without any builds nothing more.
+        edit_rows = [i for i, p in enumerate(params) if p.allowed_token_ids or p.logit_bias or p.bad_words_token_ids]
         static = cls(
             temperature=temperature,
             greedy_mask=greedy_mask,
@@ -164,6 +184,9 @@ class SamplingMetadata:
             source_generators=list(generators),
             source_device=device,
             min_tokens_rows=[i for i, p in enumerate(params) if p.min_tokens > 0],
+            allowed_token_ids_mask=_allowed_mask(params, edit_rows, vocab_size, device) if edit_rows else None,
+            logit_bias=_logit_bias(params, edit_rows, vocab_size, device) if edit_rows else None,
+            bad_words_rows=[i for i in edit_rows if params[i].bad_words_token_ids],
         )
         return static._with_tokens(prompt_token_ids, output_token_ids, device)
 
@@ -195,7 +218,7 @@ class SamplingMetadata:
         for i in self.min_tokens_rows:
             p = params[i]
             if len(output_token_ids[i]) < p.min_tokens:
-                stops = sorted(t for t in p.all_stop_token_ids if 0 <= t < vocab_size)
+                stops = sorted(t for t in p.all_stop_token_ids | p.min_tokens_stop_ids if 0 <= t < vocab_size)
                 rows.extend([i] * len(stops))
                 cols.extend(stops)
         min_tokens_mask = None
@@ -204,13 +227,79 @@ class SamplingMetadata:
                 to_device(rows, torch.int64, device),
                 to_device(cols, torch.int64, device),
             )
+        bad_words_mask = None
+        if self.bad_words_rows:
+            bad_words_mask = _bad_words_mask(self.bad_words_rows, params, output_token_ids, vocab_size, device)
         return replace(
             self,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
             min_tokens_mask=min_tokens_mask,
+            bad_words_mask=bad_words_mask,
             logits_batch=LogitsBatch(list(params), output_token_ids, prompt_token_ids),
         )
+
+
+def _allowed_mask(
+    params: list[SamplingParams], rows_to_check: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[B, V] True where a row with allowed_token_ids may not sample (vLLM's allowed_token_ids_mask)."""
+    restricted = [i for i in rows_to_check if params[i].allowed_token_ids]
+    if not restricted:
+        return None
+    rows: list[int] = []
+    cols: list[int] = []
+    for i in restricted:
+        ids = [t for t in params[i].allowed_token_ids or () if 0 <= t < vocab_size]
+        rows.extend([i] * len(ids))
+        cols.extend(ids)
+    allowed = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+    has_list = torch.zeros(len(params), 1, dtype=torch.bool, device=device)
+    has_list[to_device(restricted, torch.int64, device)] = True
+    allowed[to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)] = True
+    return has_list & ~allowed
+
+
+def _logit_bias(
+    params: list[SamplingParams], rows_to_check: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i in rows_to_check:
+        p = params[i]
+        if p.logit_bias:
+            for tid, bias in p.logit_bias.items():
+                if 0 <= tid < vocab_size:
+                    rows.append(i)
+                    cols.append(tid)
+                    biases.append(float(bias))
+    if not rows:
+        return None
+    return (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device),
+            to_device(biases, torch.float32, device))
+
+
+def _bad_words_mask(
+    rows_with_words: list[int], params: list[SamplingParams], output_token_ids: list[list[int]], vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tokens each row must not sample now: a bad word's last token when the tokens before it are the
+    row's latest outputs (vLLM V1's apply_bad_words; only generated tokens count, not the prompt)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i in rows_with_words:
+        past = output_token_ids[i]
+        for word in params[i].bad_words_token_ids:
+            prefix_len = len(word) - 1
+            if prefix_len > len(past) or not 0 <= word[-1] < vocab_size:
+                continue
+            if prefix_len == 0 or past[-prefix_len:] == word[:-1]:
+                rows.append(i)
+                cols.append(word[-1])
+    if not rows:
+        return None
+    return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -4,8 +4,11 @@ Order of operations (as vLLM V1):
 
     raw logits ──► logprobs (log_softmax, only if some row asked)           reported to the user
         │
+        ├─ allowed_token_ids: every other token -> -inf
+        ├─ bad_words: a bad word's last token -> -inf when its prefix was just generated
+        ├─ logit_bias: + bias (OpenAI's, in logit space)
+        ├─ min_tokens: stop and EOS ids -> -inf for rows below min_tokens
         ├─ logits processors (plugins named in the config's `logits_processors`, in that order)
-        ├─ min_tokens: stop ids -> -inf for rows below min_tokens
         ├─ penalties:  repetition (prompt+output), frequency + presence (output)
         │
         ├─ greedy rows ─► argmax
@@ -78,10 +81,11 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == metadata.batch_size
         if metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties and (
             not self.logits_processors
-        ):
+        ) and metadata.logit_bias is None:
             # NOTE(2): the argmax of bf16 logits is the argmax of their float32 copy (the conversion is exact
             # and keeps order and ties), so a greedy batch skips the copy -- a [B, V] write and read: 0.18 ms
-            # of a 24 ms decode step at 500 requests x 128k vocab on the H200. min_tokens' -inf is exact too.
+            # of a 24 ms decode step at 500 requests x 128k vocab on the H200. The -inf masks (min_tokens,
+            # allowed_token_ids, bad_words) are exact too; a logit bias is not, so it takes the float path.
             return SamplerOutput(sampled_token_ids=self.process(logits, metadata).argmax(dim=-1), logprobs=None)
         logits = logits.float()
         # Logprobs describe the model's own distribution, before any penalty or filter (vLLM's default).
@@ -96,15 +100,16 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Logits processors, min_tokens and penalties: the logits greedy rows take the argmax of.
+        """Token restrictions, logits processors and penalties: the logits greedy rows take the argmax of.
 
         `logits` itself is not modified. Speculative verification calls this too, so its target
         distribution is the one plain sampling draws from.
         """
+        if not metadata.no_token_edits:
+            logits = apply_token_edits(logits, metadata)
         if self.logits_processors:
             # A copy, so processors may edit in place while the caller's logits stay untouched.
             logits = apply_logits_processors(logits.clone(), self.logits_processors, metadata.logits_batch)
-        logits = apply_min_tokens(logits, metadata)
         return apply_penalties(logits, metadata)
 
     @staticmethod
@@ -127,8 +132,21 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     return logits.softmax(dim=-1)
 
 
+def apply_token_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, bad_words, logit_bias, then min_tokens (vLLM V1's order); a new tensor."""
+    neg_inf = torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device)
+    if metadata.allowed_token_ids_mask is not None:
+        logits = logits.masked_fill(metadata.allowed_token_ids_mask, _NEG_INF)
+    if metadata.bad_words_mask is not None:
+        logits = logits.index_put(metadata.bad_words_mask, neg_inf)
+    if metadata.logit_bias is not None:
+        rows, cols, biases = metadata.logit_bias
+        logits = logits.index_put((rows, cols), biases.to(logits.dtype), accumulate=True)
+    return apply_min_tokens(logits, metadata)
+
+
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Forbid stop tokens for rows that have not yet produced min_tokens tokens."""
+    """Forbid stop tokens (and EOS, even with ignore_eos) for rows that have not yet produced min_tokens."""
     if metadata.min_tokens_mask is None:
         return logits
     return logits.index_put(metadata.min_tokens_mask, torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))

@@ -223,9 +223,15 @@ class SchedulerBase:
         max_model_len = self.max_model_len
         preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
         finished_running: list[Request] = []
+        prompt_lps = runner_output.prompt_logprobs
         for i, (rid, sampled, lp) in enumerate(zip(runner_output.req_ids, all_sampled, all_logprobs, strict=True)):
             req = requests.get(rid)
             if req is None or not sampled or req.status > preempted:
+                if prompt_lps and rid in prompt_lps and req is not None and req.status <= preempted:
+                    # A prefill chunk that is not the last still delivers the prompt logprobs it computed.
+                    start, entries = prompt_lps[rid]
+                    outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=entries,
+                                                    prompt_logprobs_start=start))
                 continue  # aborted during the step (finished), or a prefill chunk that is not the last
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
@@ -260,6 +266,8 @@ class SchedulerBase:
                 rid, new_tokens, lp[: len(new_tokens)] if lp is not None else [], None, None,
                 num_cached if num_cached > 0 else 0,
             )
+            if prompt_lps and rid in prompt_lps:
+                out.prompt_logprobs_start, out.new_prompt_logprobs = prompt_lps[rid]
             if stopped:
                 out.finish_reason = req.get_finish_reason()
                 out.stop_reason = req.stop_reason

@@ -2,21 +2,65 @@
 
 Constraints live on the fields, so FastAPI's validation (turned into a 400 naming the field by errors.py) and
 the published OpenAPI schema agree: a client or fuzzer reading /openapi.json learns the same limits the server
-enforces. Unknown fields are ignored, as OpenAI's own clients send some we do not use (`user`, ...).
-vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos, ...) are accepted too.
+enforces (tests/test_server_strict_schema.py generates requests from it).
+
+NOTE(1) honest bodies: a field the server does not implement is a 400 naming it (`extra="forbid"`), never
+accepted and dropped; the fields declared here are the allow-list: OpenAI's that we implement, plus vLLM's
+documented extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens, vllm_xargs, ...).
+NOTE(2) strict JSON types, as OpenAI's schema has them (`strict=True`): an integer field takes no 15.0 and no
+`true`, a boolean takes no "yes", a string takes no number; a number field takes integers (JSON has one
+number type).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+
+from pagedllm.plugins.server.response_format import ResponseFormat, StructuredOutputsBody
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# A token id as JSON gives it. The upper bound is the served vocabulary: checked with each request (a 400 naming
+# the field) and written into the published schema by `publish_limits` (the x- marks say where).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# OpenAI's logit_bias: token ids as (canonical) decimal strings -> a bias in [-100, 100].
+LogitBiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$", json_schema_extra={"x-token-id-key": True})]
+# The served model's name: any string here, the one name in the published schema.
+ModelName = Annotated[str | None, Field(json_schema_extra={"x-served-model": True})]
+
+
+def _rules(*rules: dict[str, Any]) -> dict[str, Any]:
+    """Cross-field rules for the published schema (JSON Schema if/then), which validators below enforce."""
+    return {"allOf": list(rules)}
+
+
+_PROMPT_LOGPROBS_NOT_STREAMED = {
+    "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+    "then": {"properties": {"prompt_logprobs": {"type": "null"}}},
+}
+# vLLM's vllm_xargs: per-request arguments for logits-processor plugins (SamplingParams.extra_args). Numbers
+# are bounded to 64 bits: the request travels to the engine-core process as msgpack, which holds no wider int.
+def _int64_only(value: Any) -> Any:
+    """Refuse (rather than turn into a float) an integer msgpack cannot carry, in a value or inside a list."""
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, int) and not isinstance(item, bool) and not -(2**63) <= item < 2**63:
+            raise ValueError(f"integer {item} does not fit in 64 bits")
+    return value
+
+
+# The bounds put the same limit into the published schema, where an integer and a number are both "numbers".
+_XInt = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_XNum = Annotated[float, Field(ge=-(2**63), le=2**63)]
+XArgValue = Annotated[str | _XInt | _XNum | bool | list[str | _XInt | _XNum] | None, BeforeValidator(_int64_only)]
 
 
 # -- errors -----------------------------------------------------------------------------------------------
@@ -49,7 +93,7 @@ class Usage(BaseModel):
 class _Sampling(_Body):
     """Sampling fields common to both endpoints."""
 
-    model: str | None = None
+    model: ModelName = None
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -59,25 +103,50 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's end-user id, for the provider's abuse monitoring: accepted (SDKs send it), with nothing to change.
     user: str | None = None
+    logit_bias: dict[LogitBiasKey, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    vllm_xargs: dict[str, XArgValue] | None = None
+    # Structured outputs (structured_outputs.py): OpenAI's response_format, or vLLM's structured_outputs field.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs_when_streaming(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # As vLLM: prompt logprobs come with the whole response, which a stream never has.
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream=true")
+        return value
 
 
 # -- /v1/completions ------------------------------------------------------------------------------------------
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+    # The published schema states the cross-field rules serving_completion.py and the validators enforce.
+    model_config = ConfigDict(json_schema_extra=_rules(_PROMPT_LOGPROBS_NOT_STREAMED, {
+        "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+        "then": {"properties": {"logprobs": {"type": "null"}}},
+    }))
 
 
 class CompletionLogprobs(BaseModel):
@@ -87,12 +156,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its `prompt_logprobs` responses carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: None for the first prompt token, then {token id (as a JSON key): PromptLogprob} per position.
+PromptLogprobsOut = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -108,21 +190,57 @@ class CompletionResponse(BaseModel):
 
 
 class ContentPart(_Body):
-    type: str = "text"
-    text: str | None = None
+    # Text only: an image or audio part is a 400 rather than silently left out of the prompt.
+    type: Literal["text"]
+    text: str
+
+
+class FunctionDefinition(_Body):
+    # OpenAI's rule for function names.
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (an object schema); None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str  # JSON text, as the server sent it
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls (tools.py hands them to the template)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        return "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -130,8 +248,32 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="needs logprobs: true",
+    )
     add_generation_prompt: bool = True
+    # vLLM's extensions: extra variables for the chat template (e.g. {"enable_thinking": false}), and whether
+    # to end the prompt inside the last (assistant) message so the model continues it.
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    # Tool calling (tools.py): OpenAI's fields.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    # The published schema says it too: top_logprobs (a number) requires logprobs: true.
+    model_config = ConfigDict(json_schema_extra=_rules(_PROMPT_LOGPROBS_NOT_STREAMED, {
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    }))
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
 
 
 class TopLogprob(BaseModel):
@@ -148,9 +290,36 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: the first carries `id`, `type` and the name; later ones `arguments` text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -168,11 +337,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -208,9 +380,15 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
+    # Exactly one of prompt and messages (a null one counts as absent).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
+
+    model: ModelName = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -222,12 +400,64 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: ModelName = None
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+def publish_limits(schema: dict[str, Any], vocab_size: int, model_name: str) -> dict[str, Any]:
+    """The OpenAPI schema with this server's own limits written in where the fields are marked: token ids
+    below the vocabulary size, logit_bias keys likewise, `model` the served name. So /openapi.json describes
+    exactly what this server accepts, model-specific bounds included (a fuzzer's valid case is valid here)."""
+    key_pattern = _decimal_below(vocab_size)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.pop("x-token-id", False):
+                node["maximum"] = vocab_size - 1
+            if node.pop("x-token-id-key", False):
+                node["pattern"] = key_pattern
+            if node.pop("x-served-model", False):
+                node["enum"] = [model_name, None]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def _decimal_below(n: int) -> str:
+    """A regex matching the canonical decimals 0 .. n - 1 (n >= 1): shorter numbers, then digit by digit."""
+    top = str(n - 1)
+    k = len(top)
+    alternatives = ["0"] if k > 1 else [f"[0-{top}]"]
+    if k > 1:
+        alternatives.append(f"[1-9][0-9]{{0,{k - 2}}}")
+        for i, digit in enumerate(top):
+            low, high = (1 if i == 0 else 0), int(digit) - 1
+            if high >= low:
+                alternatives.append(f"{top[:i]}[{low}-{high}][0-9]{{{k - i - 1}}}")
+        alternatives.append(top)
+    return "^(" + "|".join(alternatives) + ")$"
+
+
+def prompt_logprobs_out(positions: list[Any] | None) -> PromptLogprobsOut | None:
+    """RequestOutput.prompt_logprobs (None, then {token id: Logprob} per position) in vLLM's JSON shape."""
+    if positions is None:
+        return None
+    return [
+        None if pos is None else {
+            str(tid): PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for tid, lp in pos.items()
+        }
+        for pos in positions
+    ]
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
