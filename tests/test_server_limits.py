@@ -96,7 +96,11 @@ def test_engine_core_death_fails_pending_fast_and_health_reports(server: LiveSer
     errors = [line for line in results if '"error"' in line]
     assert errors and "engine core died" in errors[0]
     assert results[-1] == "data: [DONE]"
-    health = httpx.get(f"{server.url}/health", timeout=10)
-    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-    r = httpx.post(f"{server.url}/v1/completions", json=_body(4), timeout=10)
-    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    # Then, with the default restart policy (none), the server exits 1 within seconds (issue 26), so an
+    # orchestrator restarts it; until then it answers 503.
+    try:
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    except httpx.ConnectError:
+        pass  # already gone
+    assert server.proc.wait(15) == 1

@@ -50,7 +50,7 @@ def live_server(args: list[str], log_path: str, headers: dict[str, str] | None =
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "pagedllm.cli.serve_cmd", *args, "--host", HOST, "--port", str(port),
-           "--log-level", "warning", "--num-threads", "1"]
+           "--log-level", os.environ.get("PAGEDLLM_TEST_SERVER_LOG_LEVEL", "warning"), "--num-threads", "1"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = LiveServer(proc, f"http://{HOST}:{port}", log_path)

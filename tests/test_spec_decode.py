@@ -237,7 +237,7 @@ def test_metrics_exported(target: str) -> None:
     assert stats.spec_position_acceptance == [1.0, 1.0]
 
     class _Engine:
-        model_name, healthy = "m", True
+        model_name, healthy, restarts = "m", True, 0
 
     engine = _Engine()
     engine.stats = stats  # type: ignore[attr-defined]

@@ -6,7 +6,14 @@ Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestValidationError
+from pagedllm.engine.async_llm import (
+    AdmissionLimits,
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestTimeoutError,
+    RequestValidationError,
+)
 from pagedllm.engine.builder import build_engine, resolve_device
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.engine_info import EngineInfo
@@ -16,6 +23,7 @@ from pagedllm.plugin_manager import get_plugin_manager
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
+    "AdmissionLimits",
     "EngineInfo",
     "AsyncLLM",
     "EngineConfig",
@@ -25,6 +33,7 @@ __all__ = [
     "Logprob",
     "QueueFullError",
     "RequestOutput",
+    "RequestTimeoutError",
     "RequestValidationError",
     "SamplingParams",
     "StructuredOutputsParams",

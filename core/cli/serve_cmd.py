@@ -26,9 +26,16 @@ class ServeOptions:
     api_key: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 4 << 20
-    max_waiting: int | None = None
+    max_waiting: int | None = None  # None: sized from the KV cache; 0: unbounded
+    max_tokens_limit: int | None = None
+    request_timeout_s: float | None = None
+    engine_restarts: int = 0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    # Chat parsing (plugins found by name; None: the entrypoint's config section decides, else off).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool | None = None
 
 
 def add_parser(sub: Any) -> None:
@@ -39,15 +46,51 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY if set)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="bound on waiting requests; beyond it requests get 429 (sets scheduler.max_waiting)")
+    g.add_argument("--max-waiting", type=_non_negative_int, default=None,
+                   help="bound on waiting requests; beyond it requests get 429 with Retry-After (sets "
+                   "scheduler.max_waiting; default: sized from the KV cache; 0: unbounded)")
+    g.add_argument("--max-tokens-limit", type=_positive_int, default=None,
+                   help="ceiling on one request's max_tokens: above it 400, and the default when a request gives none")
+    g.add_argument("--request-timeout", type=_positive_float, default=None,
+                   help="seconds a request may run; past it 408 (or a stream error event) and the engine stops its work")
+    g.add_argument("--engine-restarts", type=_non_negative_int, default=0,
+                   help="respawn a dead engine core up to N times, with backoff (default 0: the server exits 1)")
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest accepted request body")
     g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+                   help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503); the rest then "
+                   "end with a 503 error")
     g.add_argument("--log-level", default="info")
     g.add_argument("--entrypoint", default=DEFAULT_ENTRYPOINT, help="entrypoint plugin name")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="tool parser plugin turning model output into tool_calls (hermes, llama3_json, mistral, "
+                   "pythonic, or any installed one)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help='allow tool_choice "auto" (the model decides; needs --tool-call-parser), as in vLLM')
+    g.add_argument("--reasoning-parser", default=None,
+                   help="reasoning parser plugin splitting out reasoning_content (deepseek_r1, qwen3, ...)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.plugin_manager import get_plugin_manager
     from pagedllm.plugin_spec import PluginKind, PluginLoadError
 
-    if args.max_waiting is not None:
+    if args.max_waiting:  # 0 (unbounded) is not a scheduler.max_waiting value: ServeOptions carries it
         args.set = [*args.set, f"scheduler.max_waiting={args.max_waiting}"]
     config = engine_config_from_args(args)
     pm = get_plugin_manager()
@@ -73,8 +116,14 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         max_waiting=args.max_waiting,
+        max_tokens_limit=args.max_tokens_limit,
+        request_timeout_s=args.request_timeout,
+        engine_restarts=args.engine_restarts,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     return int(serve(config, options) or 0)
 

@@ -12,7 +12,10 @@ ids and logprobs, so a streaming server writes them straight out and a non-strea
 NOTE(1): leaving the `async for` early (a client disconnect cancels the task) aborts the request in the core,
 which frees its KV blocks.
 NOTE(2): the waiting-queue bound is enforced here, where it can be answered at once: sequences in flight
-beyond `max_num_seqs` are the ones waiting, and more than `scheduler.max_waiting` of them is QueueFullError.
+beyond `max_num_seqs` are the ones waiting, and more than the bound (admission.py) of them is QueueFullError.
+NOTE(3): supervision. A dead core fails every pending request at once (EngineDeadError), zeroes the stats
+(nothing runs any more, and frozen gauges would say otherwise) and calls `death_listeners`; what happens next
+is the entrypoint's policy: `restart()` spawns a fresh core (new sockets, new folder), or the process exits.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
+from pagedllm.engine.admission import AdmissionLimits, resolve_max_waiting
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder, RequestValidationError
 from pagedllm.engine.output_processor import OutputProcessor
@@ -36,15 +40,21 @@ from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
+from pagedllm.structured_output.selection import structured_outputs_check
 
 logger = logging.getLogger("pagedllm")
 
 
-__all__ = ["AsyncLLM", "EngineDeadError", "QueueFullError", "RequestValidationError"]
+__all__ = ["AdmissionLimits", "AsyncLLM", "EngineDeadError", "QueueFullError", "RequestTimeoutError",
+           "RequestValidationError"]
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound (`scheduler.max_waiting`); retry later."""
+    """The waiting queue is at its bound (admission.py); retry later."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past `AdmissionLimits.request_timeout_s`; it was aborted in the core."""
 
 
 @dataclass
@@ -62,7 +72,8 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, plugin_manager: PluginManager | None = None, served_model_name: str | None = None
+        self, config: EngineConfig, plugin_manager: PluginManager | None = None, served_model_name: str | None = None,
+        limits: AdmissionLimits | None = None,
     ) -> None:
         from pagedllm.engine.builder import select_loader
 
@@ -76,8 +87,15 @@ class AsyncLLM:
         loader = select_loader(self.pm, config, model_ref).load()()
         self.model_info = loader.load_info(model_ref, config.tokenizer)
         self.tokenizer = self.model_info.tokenizer
+        # A chat template replacing the model's own for every request (vLLM's --chat-template); None: the model's.
+        self.chat_template: str | None = None
         self.processor = OutputProcessor(self.tokenizer)
         self.client = EngineCoreClient(config, self._on_outputs, self._on_death)
+        self.limits = limits or AdmissionLimits()
+        self.max_waiting: int | None = None  # resolved once the core has said its KV capacity
+        self.restarts = 0  # engine-core processes spawned after the first (NOTE 3)
+        # Called with the reason when the core dies (NOTE 3); the entrypoint decides: restart or exit.
+        self.death_listeners: list[Callable[[str], None]] = []
         self.stats = SchedulerStats()
         self.stats_time = 0.0
         # Called with the final cumulative RequestOutput of every request (finished, aborted or failed).
@@ -93,14 +111,43 @@ class AsyncLLM:
         self._ready = await self.client.start()
         # input_processing.py NOTE 2: the server answers a request the core could never run at once.
         limits = ModelLimits.from_model(self.model_info, self._ready.max_model_len)
-        self._requests = RequestBuilder(self.tokenizer, limits, reject_unrunnable=True)
+        self._requests = RequestBuilder(self.tokenizer, limits, reject_unrunnable=True,
+                                        check_structured_outputs=structured_outputs_check(self.pm, self.config))
+        sched = self.config.scheduler
+        self.max_waiting = resolve_max_waiting(
+            self.limits, sched.max_waiting, sched.max_num_seqs, self._ready.num_blocks, self._ready.block_size,
+            self._ready.max_model_len,
+        )
         self.pm.hook.engine_started(engine=self)
+        return self._ready
+
+    async def restart(self) -> Ready:
+        """A fresh engine-core process after the last one died (NOTE 3); raises EngineDeadError if it fails."""
+        if self.client.dead_reason is None:
+            raise RuntimeError("restart() is for a dead engine core; this one is running")
+        await self.client.shutdown()  # the dead one's sockets and ipc folder
+        self.client = EngineCoreClient(self.config, self._on_outputs, self._on_death)
+        self._ready = await self.client.start()
+        self.restarts += 1
         return self._ready
 
     async def shutdown(self) -> None:
         if self._ready is not None and not self.client._closed:
             self.pm.hook.engine_stopped(engine=self)
+        # Nothing may wait on a core that is going away: pending requests end now, with a clear error.
+        self.fail_all(lambda: EngineDeadError("the engine core was shut down"))
         await self.client.shutdown()
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> int:
+        """End every pending request with a fresh `make_error()` (raised from its generate(); one object per
+        request, since each raise writes its own traceback into it), aborting it in the core. Returns how
+        many requests were pending."""
+        pending = list(self._streams)
+        for rid in pending:
+            stream = self._streams[rid]
+            stream.queue.put_nowait(make_error())
+            self.abort(rid)
+        return len(pending)
 
     @property
     def ready(self) -> Ready:
@@ -121,6 +168,10 @@ class AsyncLLM:
         return self.ready.max_model_len
 
     @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    @property
     def num_unfinished_sequences(self) -> int:
         return sum(1 for s in self._streams.values() for x in s.samples if x.finish_reason is None)
 
@@ -138,13 +189,29 @@ class AsyncLLM:
         return self.requests.tokenize(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """Token ids of `messages` through the chat template; `tools` (OpenAI tool objects) are handed to the
+        template, which renders them as the model was trained to see them (a template without tool support
+        ignores them, as transformers does). `continue_final_message` leaves the last message open, so the
+        model continues it; `template_kwargs` are extra template variables (vLLM's chat_template_kwargs)."""
         if self.tokenizer is None:
             raise RequestValidationError("this model has no tokenizer, so it has no chat template", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise RequestValidationError(
+                "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
+                "to false to continue the last message)", "continue_final_message")
+        reserved = sorted(set(template_kwargs or {}) & {"messages", "tools", "add_generation_prompt", "tokenize",
+                                                         "chat_template", "continue_final_message"})
+        if reserved:
+            raise RequestValidationError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=chat_template or self.chat_template, tools=tools,
+                continue_final_message=continue_final_message, **(template_kwargs or {}),
             )
         except Exception as exc:  # a template error is the caller's messages (roles, content) being off
             raise RequestValidationError(f"the chat template could not be applied: {exc}", "messages") from exc
@@ -165,9 +232,11 @@ class AsyncLLM:
         """Tokenize, validate and queue; raises at once (RequestValidationError, QueueFullError, EngineDeadError)."""
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
-        bound = self.config.scheduler.max_waiting
+        bound = self.max_waiting
         if bound is not None and self.num_unfinished_sequences + params.n > self.config.scheduler.max_num_seqs + bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests waiting); retry later")
+        if self.limits.max_tokens is not None:
+            prompt, params = self._within_max_tokens(prompt, params, self.limits.max_tokens)
         prepared = self.requests.build(
             request_id, prompt, params, in_use=self._streams, priority=priority, prompt_param=prompt_param
         )
@@ -199,9 +268,18 @@ class AsyncLLM:
         on the first iteration; a failed request raises EngineDeadError or ends with `error` set."""
         rid = request_id or f"req-{next(self._ids)}"
         stream = self.add_request(rid, prompt, params, priority, prompt_param)
+        timeout = self.limits.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             while True:
-                item = await stream.queue.get()
+                try:
+                    # Only the wait is timed, never the consumer's work between items (a generator's caller).
+                    async with asyncio.timeout_at(deadline):
+                        item = await stream.queue.get()
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"the request did not finish within the server's {timeout:g}s request timeout"
+                    ) from None
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -210,6 +288,23 @@ class AsyncLLM:
         finally:
             if not stream.finished:
                 self.abort(rid)
+
+    def _within_max_tokens(
+        self, prompt: PromptType, params: SamplingParams, ceiling: int
+    ) -> tuple[PromptType, SamplingParams]:
+        """An explicit max_tokens above the ceiling is the caller's error; an absent one becomes the ceiling,
+        or the rest of the context if that is less (the prompt is tokenized once, here, to know)."""
+        if params.max_tokens is not None:
+            if params.max_tokens > ceiling:
+                raise RequestValidationError(
+                    f"max_tokens ({params.max_tokens}) exceeds this server's limit of {ceiling} tokens per request",
+                    "max_tokens",
+                )
+            return prompt, params
+        text, ids = self.requests.tokenize(prompt)
+        params = params.clone()
+        params.max_tokens = max(1, min(ceiling, self.ready.max_model_len - len(ids)))
+        return {"prompt": text, "prompt_token_ids": ids}, params
 
     def abort(self, request_id: str) -> None:
         """Abort a request in the core (its blocks are freed) and forget it here."""
@@ -245,8 +340,16 @@ class AsyncLLM:
         for rid, stream in list(self._streams.items()):
             stream.finished = True
             stream.queue.put_nowait(EngineDeadError(f"the engine core died: {reason}"))
-            self.processor.abort(rid)
+            out = self.processor.abort(rid)
+            if out is not None:
+                self._notify_finished(out)
         self._streams.clear()
+        self.stats, self.stats_time = SchedulerStats(), time.monotonic()
+        for listener in self.death_listeners:
+            try:
+                listener(reason)
+            except Exception:  # one listener's bug must not stop the others (the restart policy among them)
+                logger.exception("engine death listener failed")
 
     def _notify_added(self, request: Request) -> None:
         try:
@@ -286,7 +389,7 @@ class AsyncLLM:
                 )
         return RequestOutput(
             out.request_id, out.prompt, out.prompt_token_ids, deltas, out.finished, out.num_cached_tokens,
-            out.metrics, out.error,
+            out.metrics, out.error, out.prompt_logprobs,
         )
 
 

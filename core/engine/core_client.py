@@ -8,6 +8,10 @@ Two ipc:// sockets in a private temporary folder (no TCP port, nothing reachable
 Death detection: the reader task wakes at least every POLL_S; when nothing arrived it checks the process
 (`is_alive`, i.e. its sentinel). A dead core, or a Fatal message, calls `on_death(reason)` exactly once, so
 the frontend fails every pending request at once instead of letting them hang.
+
+NOTE(1): after `shutdown()` the sockets are closed; an abort that arrives then (a request task cancelled
+late by the HTTP server) has nothing left to free and returns quietly instead of raising ZMQError (the old
+"Socket operation on non-socket" tracebacks at the end of a drain), and a new request is EngineDeadError.
 """
 
 from __future__ import annotations
@@ -82,7 +86,9 @@ class EngineCoreClient:
 
     @property
     def alive(self) -> bool:
-        return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
+        # Ready, not just spawned: a core still loading its model (a restart) cannot take requests yet.
+        return (self.dead_reason is None and not self._closed and self._reader is not None
+                and self._proc is not None and self._proc.is_alive())
 
     async def start(self, timeout: float = 900.0) -> Ready:
         """Spawn the core and wait for its Ready message (model loading happens there)."""
@@ -117,7 +123,11 @@ class EngineCoreClient:
         return self.ready
 
     def add_request(self, request: Request) -> None:
+        if self._closed:  # NOTE 1
+            raise EngineDeadError("the engine core has been shut down")
         self._check_alive()
+        if self._reader is None:
+            raise EngineDeadError("the engine core is starting (after a restart); retry shortly")
         # NOBLOCK: a PUSH socket whose peer has vanished blocks forever, and this runs on the event loop.
         try:
             self._push.send(encode(make_add_request(request)), zmq.NOBLOCK)
@@ -125,7 +135,7 @@ class EngineCoreClient:
             raise EngineDeadError("the engine core is not accepting requests (its process is gone)") from None
 
     def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
+        if request_ids and self.dead_reason is None and not self._closed:  # NOTE 1
             with contextlib.suppress(zmq.Again):  # no core: nothing left to free
                 self._push.send(encode(Abort(list(request_ids))), zmq.NOBLOCK)
 

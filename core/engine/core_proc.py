@@ -46,8 +46,11 @@ def run_engine_core(config_dict: dict[str, Any], input_addr: str, output_addr: s
     """Process entry point (must stay importable by name for the spawn start method)."""
     import zmq
 
-    # Ctrl-C in a terminal reaches the whole process group; the API process decides when the core stops.
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's SIGTERM often the whole
+    # control group: the API process decides when the core stops (it drains first), so both are ignored here.
+    # The core still exits on a Shutdown message, on its parent's death (NOTE 2) or on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "WARNING"))
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)

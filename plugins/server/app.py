@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, API-key and body-size middleware, error handlers, metrics, plugin hook.
+"""The FastAPI app: routes, API-key / drain / body-size middleware, error handlers, metrics, plugin hook.
 
 `build_app(engine, options)` only wires things; `run.serve` owns the process (engine start, uvicorn, drain).
 """
@@ -20,7 +20,9 @@ from pagedllm.plugins.server.errors import (
     error_body,
     from_exception,
     install_handlers,
+    retry_after_headers,
 )
+from pagedllm.plugins.server.lifecycle import ServerState, shutting_down_error
 from pagedllm.plugins.server.metrics import ServerMetrics
 from pagedllm.plugins.server.protocol import (
     ChatCompletionRequest,
@@ -34,16 +36,18 @@ from pagedllm.plugins.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    publish_limits,
 )
 from pagedllm.plugins.server.serving_chat import create_chat_completion
-from pagedllm.plugins.server.serving_common import check_model
+from pagedllm.plugins.server.serving_common import check_model, until_disconnected
 from pagedllm.plugins.server.serving_completion import create_completion
 
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
                    Awaitable[None]]
 
-# Paths that need the API key when one is set; health and metrics stay open for probes and scrapers.
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# With an API key set, every path needs it -- routes a plugin adds too, and unknown paths (a 401, not a 404
+# that would map the routes) -- except these: probes and scrapers carry no key.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 _SSE_200: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
@@ -51,19 +55,21 @@ _SSE_200: dict[int | str, dict[str, Any]] = {
 
 
 class _Guard:
-    """Pure-ASGI middleware (it must not buffer streaming responses): API key, then body-size limit."""
+    """Pure-ASGI middleware (it must not buffer streaming responses): API key, drain, then body-size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, state: ServerState) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body_bytes
+        self.state = state
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             # compare_digest: the time taken does not reveal how many leading bytes matched.
@@ -71,50 +77,96 @@ class _Guard:
                 await _send_error(send, 401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
                                   code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
                 return
+        if self.state.draining and path not in OPEN_PATHS:  # lifecycle.py NOTE 2
+            err = shutting_down_error()
+            await _send_error(send, err.status, err.message, code=err.code, extra_headers=[(b"connection", b"close")])
+            return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _send_error(send, 413, f"request body exceeds {self.max_body} bytes", code="request_too_large")
             return
+        # A chunked body carries no content-length: count it as it arrives. Past the limit, the 413 is sent
+        # from here and the app sees a disconnect (raising inside receive() would reach FastAPI's body
+        # parser, which turns any error into a 400).
         received = 0
+        rejected = started = False
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal received
+            nonlocal received, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message: dict[str, Any] = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body:  # chunked bodies carry no content-length
-                    raise APIError(413, f"request body exceeds {self.max_body} bytes", None, "request_too_large")
+                if received > self.max_body:
+                    rejected = True
+                    if not started:
+                        await _send_error(send, 413, f"request body exceeds {self.max_body} bytes",
+                                          code="request_too_large", extra_headers=[(b"connection", b"close")])
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if rejected:
+                return  # the 413 above is this request's response
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not rejected:
+                raise
 
 
 async def _send_error(send: Any, status: int, message: str, param: str | None = None, code: str | None = None,
                       extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(error_body(status, message, param, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in retry_after_headers(status).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int = 4 << 20,
+              state: ServerState | None = None) -> FastAPI:
     app = FastAPI(title="pagedllm OpenAI-compatible API", version="0.1.0")
+    state = state or ServerState()
     app.state.engine = engine
+    app.state.lifecycle = state
     app.state.metrics = ServerMetrics(engine)
     install_handlers(app)
+    default_openapi = app.openapi
 
-    async def guarded(work: Awaitable[Any]) -> Any:
+    def openapi() -> dict[str, Any]:
+        # The served model's vocabulary and name written in (protocol.publish_limits), once the core is ready.
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            app.openapi_schema = publish_limits(schema, engine.ready.vocab_size, engine.model_name)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    async def guarded(raw: Request, work: Callable[[], Awaitable[Any]]) -> Any:
+        # Watched from the start: a client that leaves while its prompts wait for their first tokens
+        # aborts them all then, not when the engine is done with them.
         try:
-            return await work
+            return await until_disconnected(raw, work)
         except Exception as exc:
             raise from_exception(exc) from exc
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
+        if state.draining:
+            err = shutting_down_error()
+            return JSONResponse(error_body(503, err.message, None, err.code), status_code=503,
+                                headers=retry_after_headers(503))
         if engine.healthy:
             return JSONResponse({})
         reason = engine.dead_reason or "the engine core is not running"
-        return JSONResponse(error_body(503, reason, None, "engine_dead"), status_code=503)
+        return JSONResponse(error_body(503, reason, None, "engine_dead"), status_code=503,
+                            headers=retry_after_headers(503))
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models() -> ModelList:
@@ -122,18 +174,18 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_SSE_200, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await guarded(create_completion(engine, body, raw))
+        return await guarded(raw, lambda: create_completion(engine, body, raw))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={**_SSE_200, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await guarded(create_chat_completion(engine, body, raw))
+        return await guarded(raw, lambda: create_chat_completion(engine, body, raw))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(engine, body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+            raise APIError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", "prompt")
         try:
@@ -156,11 +208,18 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=str(engine.tokenizer.decode(body.tokens)))
 
+    @app.api_route("/v1/responses", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def responses_api() -> Response:
+        # An SDK probing for the Responses API learns at once, in OpenAI's error shape, that it is absent.
+        return JSONResponse(error_body(404, "the Responses API (/v1/responses) is not implemented by this server; "
+                                       "use /v1/chat/completions", None, "not_implemented"), status_code=404)
+
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
         return Response(app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     engine.pm.hook.server_app_created(app=app, engine=engine)
     # Outermost, so a rejected key or an oversized body never reaches routing or the engine.
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, state=state)  # type: ignore[arg-type]
     return app

@@ -48,10 +48,16 @@ class _EngineStatsCollector:
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("pagedllm:engine_steps", "Scheduler steps the engine core has run (since its start).",
+                      s.num_steps)
         yield counter("pagedllm:num_preemptions", "Requests preempted (recomputed later) since start.",
                       s.num_preemptions)
         yield gauge("pagedllm:engine_healthy", "1 while the engine-core process is alive.",
                     1.0 if self.engine.healthy else 0.0)
+        # Rendered as pagedllm:engine_core_restarts_total; the gauges above read 0 from the moment the core
+        # dies (AsyncLLM NOTE 3) until a restarted one reports.
+        yield counter("pagedllm:engine_core_restarts", "Engine-core processes respawned after a death.",
+                      self.engine.restarts)
         yield from _spec_decode_metrics(s, model, gauge, counter)
 
 

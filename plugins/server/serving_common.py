@@ -13,6 +13,7 @@ from pagedllm.api.engine import AsyncLLM, RequestOutput
 from pagedllm.api.sched import SamplingParams
 from pagedllm.plugins.server.errors import APIError, error_body, from_exception
 from pagedllm.plugins.server.protocol import Usage
+from pagedllm.plugins.server.structured_outputs import check_structured_outputs, structured_outputs_of
 
 T = TypeVar("T")
 
@@ -25,8 +26,11 @@ def check_model(engine: AsyncLLM, model: str | None) -> None:
                        "model", "model_not_found")
 
 
-def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """SamplingParams from a request body; unset OpenAI fields keep the engine's defaults."""
+def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None,
+                    engine: AsyncLLM | None = None) -> SamplingParams:
+    """SamplingParams from a request body; unset OpenAI fields keep the engine's defaults. With `engine`, a
+    structured-output constraint is validated here, so its 400 names the field the client sent."""
+    structured, structured_param = structured_outputs_of(body)
     kw: dict[str, Any] = dict(
         n=body.n,
         max_tokens=max_tokens,
@@ -38,7 +42,19 @@ def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None) -> 
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
+        # OpenAI's logit_bias keys are token ids written as strings (the schema admits digits only).
+        logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
+        prompt_logprobs=body.prompt_logprobs,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        # vLLM's vllm_xargs reach logits-processor plugins as SamplingParams.extra_args.
+        extra_args=dict(body.vllm_xargs) if body.vllm_xargs else None,
+        structured_outputs=structured,
     )
+    if structured is not None and engine is not None:
+        assert structured_param is not None
+        check_structured_outputs(engine, structured, structured_param)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(body, name)
@@ -70,17 +86,26 @@ def usage_of(prompt_lens: list[int], completion_tokens: int) -> Usage:
 
 async def start_streams(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """The first output of each generator: validation, queue-full and engine errors surface here, before any
-    response byte is sent (so they become proper status codes). Already-started generators are closed on
-    failure, which aborts their requests."""
-    firsts: list[RequestOutput] = []
+    response byte is sent (so they become proper status codes).
+
+    Every generator starts at once (each prompt x n of a request is its own engine request, and they share
+    the core's batches); awaiting them one after another made a 32-prompt request wait for 32 first tokens
+    in turn. On any failure, or cancellation (a disconnect), every generator is closed, which aborts its
+    request in the core."""
+    tasks = [asyncio.create_task(_first(gen)) for gen in gens]
     try:
-        for gen in gens:
-            firsts.append(await gen.__anext__())
+        return list(await asyncio.gather(*tasks))
     except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for gen in gens:
             await gen.aclose()  # type: ignore[attr-defined]
         raise
-    return firsts
+
+
+async def _first(gen: AsyncIterator[T]) -> T:
+    return await gen.__anext__()
 
 
 async def merge(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -128,13 +153,19 @@ async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
 
 async def until_disconnected(request: Request, work: Callable[[], Any]) -> Any:
     """Run `work()` (a coroutine factory), cancelling it if the client goes away (which aborts its
-    requests and frees their KV blocks); non-streaming responses get no other disconnect signal."""
+    requests and frees their KV blocks); non-streaming responses get no other disconnect signal.
+
+    The work is cancelled too when this coroutine is (an outer watcher saw the disconnect first): left
+    running, it would keep its engine requests to the end and fail later with nobody to hear it."""
     task = asyncio.create_task(work())
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(400, "the client disconnected", None, "client_disconnected")
+    finally:
+        if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise APIError(400, "the client disconnected", None, "client_disconnected")

@@ -17,6 +17,7 @@ from pagedllm.plugins.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    prompt_logprobs_out,
 )
 from pagedllm.plugins.server.serving_common import (
     check_model,
@@ -69,7 +70,7 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
     prompts = _prompts(body.prompt)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    params = sampling_params(body, body.max_tokens, body.logprobs, engine)
     rid = f"cmpl-{uuid.uuid4().hex}"
     gens = [engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
     firsts = await start_streams(gens)
@@ -106,6 +107,8 @@ async def _collect(
         for c in out.outputs:
             idx = i * n + c.index
             choice = choices.setdefault(idx, CompletionChoice(index=idx, text=echoes[i]))
+            if choice.prompt_logprobs is None and out.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_out(out.prompt_logprobs)
             choice.text += c.text
             completion_tokens += len(c.token_ids)
             if c.logprobs is not None:
