@@ -112,3 +112,16 @@ def test_logits_processor_check_catches_nan(pagedllm_component: Register, pagedl
     pagedllm_component(PluginKind.LOGITS_PROCESSOR, "poison", lambda: Poison)
     with pytest.raises(AssertionError, match="NaN"):
         check_logits_processor("poison", pagedllm_tiny_model("llama"))
+
+
+@pytest.mark.slow  # starts a Ray cluster (~20 s)
+def test_ray_executor(pagedllm_tiny_model: Callable[[str], str]) -> None:
+    ray = pytest.importorskip("ray")
+    # A small loopback cluster of our own, shut down after, so later tests can start theirs.
+    ray.init(num_cpus=2, num_gpus=0, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        report = check_executor("ray", pagedllm_tiny_model("llama"), tensor_parallel_size=2)
+    finally:
+        ray.shutdown()
+    assert report.tokens_compared > 0

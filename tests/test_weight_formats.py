@@ -22,6 +22,7 @@ from tiny_models import hf_greedy, make_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.cli.main import main
+from pagedllm.testing import check_loader
 
 PROMPTS = [[1, 5, 9, 33, 70, 11, 250, 17, 3], [1, 100, 200, 300], [1, 42, 42, 42, 42, 42, 7, 8, 9, 10]]
 MAX_TOKENS = 8
@@ -118,6 +119,9 @@ def test_sharded_state_tp1(safetensors_model: str, expected: list[list[int]], tm
     assert len(parts) > 1  # split by --max-file-size
     tokens, loader = _tokens(str(out))
     assert loader == "sharded_state" and tokens == expected
+    # The conformance kit's loader check: every parameter as the safetensors file puts it, bit for bit.
+    reference = load_file(os.path.join(safetensors_model, "model.safetensors"))
+    assert check_loader("sharded_state", str(out), reference).tensors_compared > 10
 
 
 @pytest.mark.slow  # starts a rank-1 process

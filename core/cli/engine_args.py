@@ -7,7 +7,13 @@ from typing import Any
 
 import yaml
 
-from pagedllm.config import ConfigError, EngineConfig, check_component_names
+from pagedllm.config import (
+    ConfigError,
+    EngineConfig,
+    check_component_names,
+    refuse_remote_code,
+    speculative_from_vllm,
+)
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -44,7 +50,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", help="engine config file (YAML or TOML)")
     for flag, (_key, typ, help_text) in _FLAGS.items():
         group.add_argument(flag, type=typ, default=None, help=help_text)
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    # vLLM's spelling (--enable-prefix-caching / --no-enable-prefix-caching) and the older short one.
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="automatic prefix caching (on by default)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching")
+    group.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
+    group.add_argument("--speculative-config", metavar="JSON",
+                       help='vLLM\'s speculative_config, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="refused: pagedllm never runs model code from a checkpoint (architectures are plugins)")
     group.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="any config key, dotted (e.g. --set scheduler.enable_chunked_prefill=false); repeatable",
@@ -70,8 +84,14 @@ def _config_from_args(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             overrides[key] = value
-    if args.no_prefix_caching:
-        overrides["kv_cache.enable_prefix_caching"] = False
+    if args.trust_remote_code:
+        refuse_remote_code(True)
+    if args.no_prefix_caching or args.enable_prefix_caching is not None:
+        overrides["kv_cache.enable_prefix_caching"] = bool(args.enable_prefix_caching) and not args.no_prefix_caching
+    if args.enforce_eager:
+        overrides["enforce_eager"] = True
+    if args.speculative_config is not None:
+        overrides.update({f"speculative.{k}": v for k, v in speculative_from_vllm(args.speculative_config).items()})
     for item in args.set:
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")

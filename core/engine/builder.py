@@ -25,6 +25,7 @@ from pagedllm.default_model import resolve_model_reference
 from pagedllm.distributed.communication import tp_min
 from pagedllm.distributed.shard_check import check_tensor_parallel
 from pagedllm.engine.runner_plugins import RunnerPlugins, TargetFacts, build_runner_plugins
+from pagedllm.engine.thread_load import check_thread_load
 from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
@@ -158,6 +159,10 @@ def build_engine_parts(
     pm = pm or get_plugin_manager()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if tp_rank == 0 and (config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())):
+        overloaded = check_thread_load(torch.get_num_threads())  # thread_load.py: why a busy machine matters
+        if overloaded:
+            logger.warning(overloaded)
     torch.manual_seed(config.seed)
     tp_size = config.parallel.tensor_parallel_size
     if plugin_sections is None:
