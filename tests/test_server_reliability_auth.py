@@ -64,7 +64,8 @@ def test_key_covers_plugin_routes_and_unknown_paths(app_and_state: tuple[Any, Se
         assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/plugin/status", headers=auth).json() == {"secret": "plugin data"}
     assert client.get("/no/such/route", headers=auth).status_code == 404
-    assert {"/health", "/metrics"} == OPEN_PATHS
+    # Probes and scrapers only: health (and vLLM's /ping spelling of it), the version, the metrics.
+    assert {"/health", "/ping", "/version", "/metrics"} == OPEN_PATHS
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.cli.engine_args import add_engine_args
+from pagedllm.config import ConfigError
 
 DEFAULT_ENTRYPOINT = "openai"
 
@@ -36,6 +37,8 @@ class ServeOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool | None = None
+    # A chat template replacing the model's own (vLLM's --chat-template): the template text itself.
+    chat_template: str | None = None
 
 
 def add_parser(sub: Any) -> None:
@@ -59,7 +62,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (new ones get 503); the rest then "
                    "end with a 503 error")
-    g.add_argument("--log-level", default="info")
+    g.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   help="server log level (vLLM's --uvicorn-log-level is the same flag)")
+    g.add_argument("--chat-template", default=None,
+                   help="a chat template replacing the model's own: a file path, or the Jinja text itself")
     g.add_argument("--entrypoint", default=DEFAULT_ENTRYPOINT, help="entrypoint plugin name")
     g.add_argument("--tool-call-parser", default=None,
                    help="tool parser plugin turning model output into tool_calls (hermes, llama3_json, mistral, "
@@ -68,8 +74,25 @@ def add_parser(sub: Any) -> None:
                    help='allow tool_choice "auto" (the model decides; needs --tool-call-parser), as in vLLM')
     g.add_argument("--reasoning-parser", default=None,
                    help="reasoning parser plugin splitting out reasoning_content (deepseek_r1, qwen3, ...)")
+    # vLLM's `serve MODEL`: the model as a positional argument (the same as --model).
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model folder, .gguf file, Hugging Face repo id or alias (same as --model)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """vLLM's rule: a path that exists is read; anything else is the template text (it must look like Jinja)."""
+    import os
+
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template: '{value}' is neither a file nor a Jinja template")
 
 
 def _non_negative_int(text: str) -> int:
@@ -100,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.plugin_manager import get_plugin_manager
     from pagedllm.plugin_spec import PluginKind, PluginLoadError
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"serve: the model is given twice, '{args.model_tag}' and --model '{args.model}'")
+        args.model = args.model_tag
+    chat_template = _read_chat_template(args.chat_template)
     if args.max_waiting:  # 0 (unbounded) is not a scheduler.max_waiting value: ServeOptions carries it
         args.set = [*args.set, f"scheduler.max_waiting={args.max_waiting}"]
     config = engine_config_from_args(args)
@@ -124,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        chat_template=chat_template,
     )
     return int(serve(config, options) or 0)
 

@@ -47,11 +47,21 @@ ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Cal
 
 # With an API key set, every path needs it -- routes a plugin adds too, and unknown paths (a 401, not a 404
 # that would map the routes) -- except these: probes and scrapers carry no key.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 _SSE_200: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
 }
+
+
+def package_version() -> str:
+    """The installed pagedllm's version (what /version answers)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedllm")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
 
 
 class _Guard:
@@ -167,6 +177,13 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
         reason = engine.dead_reason or "the engine core is not running"
         return JSONResponse(error_body(503, reason, None, "engine_dead"), status_code=503,
                             headers=retry_after_headers(503))
+
+    # vLLM's (and SageMaker's) liveness probe: the same answer as /health.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models() -> ModelList:

@@ -1,4 +1,5 @@
-"""Prometheus metrics for /metrics (names follow vLLM's, with the `pagedllm:` prefix).
+"""Prometheus metrics for /metrics (names follow vLLM's, with the `pagedllm:` prefix, and every one of them
+exported again under vLLM's `vllm:` prefix, so dashboards and alerts written for vLLM work unchanged).
 
 Two sources: the engine core's latest SchedulerStats (running/waiting, KV usage, prefix cache, preemptions),
 read at scrape time by a custom collector so they are never stale by more than one core message; and the
@@ -8,6 +9,7 @@ Each app owns its registry, so two apps in one process do not clash.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,4 +121,9 @@ class ServerMetrics:
             self.e2e.labels(m).observe(metrics.finished_time - metrics.arrival_time)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text + _VLLM_NAMES.sub(rb"\1vllm:", text)
+
+
+# A metric name at the start of a sample line or after `# HELP ` / `# TYPE `; label values are left alone.
+_VLLM_NAMES = re.compile(rb"^((?:# (?:HELP|TYPE) )?)pagedllm:", re.MULTILINE)

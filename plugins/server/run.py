@@ -49,6 +49,7 @@ async def _serve(config: EngineConfig, options: Any) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = AsyncLLM(config, served_model_name=options.served_model_name, limits=limits)
+    engine.chat_template = getattr(options, "chat_template", None)
     try:
         ready = await engine.start()
     except EngineDeadError as exc:
