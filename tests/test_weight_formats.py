@@ -145,7 +145,7 @@ def test_save_sharded_state_refuses_a_gguf(tmp_path: Path, capsys: pytest.Captur
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, "llama", tiny_hf_weights("llama"))
     assert main(["save-sharded-state", str(path), str(tmp_path / "out")]) == 2
-    assert "error:" in capsys.readouterr().out
+    assert "pagedllm save-sharded-state: error: '" in (err := capsys.readouterr().err) and "is a quantized checkpoint (gguf)" in err
 
 
 def test_hub_repo_id_from_the_local_cache(safetensors_model: str, expected: list[list[int]], tmp_path: Path,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 
@@ -29,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         files = save_sharded_state(config, args.output, args.max_file_size)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"pagedllm save-sharded-state: error: {exc}")
+        print(f"pagedllm save-sharded-state: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {len(files)} file(s) for {args.tensor_parallel_size} rank(s) to {args.output}")
     return 0

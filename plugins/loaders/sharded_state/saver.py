@@ -34,7 +34,7 @@ def save_sharded_state(config: Mapping[str, Any], output: str, max_size: int = 5
     engine_config = EngineConfig.from_dict({**config, "device": config.get("device", "cpu")})
     if engine_config.quantization.method not in (None, "none"):
         raise ValueError(
-            f"save-sharded-state: quantization.method {engine_config.quantization.method!r}: only dense weights "
+            f"quantization.method {engine_config.quantization.method!r}: only dense weights "
             "can be saved per rank yet (quantized methods repack their weights after loading)"
         )
     tp_size = engine_config.parallel.tensor_parallel_size
@@ -45,7 +45,7 @@ def save_sharded_state(config: Mapping[str, Any], output: str, max_size: int = 5
         model, info = build_model_shard(engine_config, tp_rank=rank)
         if info.quantization_config:
             raise ValueError(
-                f"save-sharded-state: '{info.source}' is a quantized checkpoint "
+                f"'{info.source}' is a quantized checkpoint "
                 f"({info.quantization_config.get('quant_method', '?')}); only dense weights can be saved per rank yet"
             )
         source = info.source
@@ -80,7 +80,7 @@ def _write(save_file: Any, output: str, rank: int, part: int, tensors: dict[str,
 
 def _copy_model_files(source: str, output: str) -> None:
     if not os.path.isdir(source):
-        raise ValueError(f"save-sharded-state: the model must be a Hugging Face folder, got '{source}'")
+        raise ValueError(f"the model must be a Hugging Face folder, got '{source}'")
     for name in os.listdir(source):
         path = os.path.join(source, name)
         if (os.path.isfile(path) and name.endswith(_COPIED) and not name.endswith(_WEIGHT_SUFFIXES)
