@@ -16,6 +16,7 @@ from pagedllm.parsers.incremental import (
     ThinkTagReasoningParser,
     ToolPrefix,
     call_from_object,
+    scan_call_objects,
 )
 from pagedllm.parsers.json_scan import JSONScanError, partial_suffix, scan_object, scan_value, skip_ws
 from pagedllm.parsers.messages import (
@@ -59,6 +60,7 @@ __all__ = [
     "parameters_schema",
     "partial_suffix",
     "required_schema",
+    "scan_call_objects",
     "scan_object",
     "scan_value",
     "skip_ws",

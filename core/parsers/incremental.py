@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from pagedllm.parsers.json_scan import ObjectScan, member, partial_suffix
+from pagedllm.parsers.json_scan import ObjectScan, member, partial_suffix, scan_object, skip_ws
 from pagedllm.parsers.messages import (
     DeltaMessage,
     ExtractedToolCalls,
@@ -47,6 +47,22 @@ class ToolPrefix:
     content: str
     calls: list[PartialToolCall] = field(default_factory=list)
     valid: bool = True  # False: the text cannot be tool calls (the whole result is then plain content)
+
+
+def scan_call_objects(text: str, i: int, calls: list[PartialToolCall]) -> list[PartialToolCall]:
+    """Append to `calls` (and return it) the calls of a JSON array's `{...}` elements from `i` (just after its
+    `[`), the last one possibly still arriving. Raises JSONScanError where the text is not JSON, with the calls
+    before that point already in `calls`."""
+    i = skip_ws(text, i)
+    while i < len(text) and text[i] == "{":
+        scan = scan_object(text, i)
+        calls.append(call_from_object(text, scan))
+        if not scan.complete:
+            break
+        i = skip_ws(text, scan.end)
+        if i < len(text) and text[i] == ",":
+            i = skip_ws(text, i + 1)
+    return calls
 
 
 def call_from_object(text: str, scan: ObjectScan, name_keys: tuple[str, ...] = NAME_KEYS,

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.parsers.incremental import IncrementalToolParser, PartialToolCall, ToolPrefix, call_from_object
-from pagedllm.parsers.json_scan import JSONScanError, scan_object, scan_value, skip_ws
+from pagedllm.parsers.incremental import (
+    IncrementalToolParser,
+    PartialToolCall,
+    ToolPrefix,
+    scan_call_objects,
+)
+from pagedllm.parsers.json_scan import JSONScanError, scan_value, skip_ws
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -73,15 +78,7 @@ class RequiredToolCallsParser(IncrementalToolParser):
             return ToolPrefix(text, valid=False)
         calls: list[PartialToolCall] = []
         try:
-            i = skip_ws(text, i + 1)
-            while i < len(text) and text[i] == "{":
-                scan = scan_object(text, i)
-                calls.append(call_from_object(text, scan))
-                if not scan.complete:
-                    break
-                i = skip_ws(text, scan.end)
-                if i < len(text) and text[i] == ",":
-                    i = skip_ws(text, i + 1)
+            scan_call_objects(text, i + 1, calls)
         except JSONScanError:
             return ToolPrefix(text if final else "", calls, valid=False)
         return ToolPrefix("", calls)

@@ -34,6 +34,21 @@ class GrammarBitmask:
     rows: dict[str, int]
     bitmask: torch.Tensor  # [num_rows, width] int32, CPU
 
+    def apply(self, logits: torch.Tensor, req_ids: list[str], num_rows: list[int]) -> None:
+        """Mask the logits rows of the structured-output requests among `req_ids` (each owning `num_rows`
+        consecutive logits rows, in order), on the logits' device, outside any graph."""
+        logit_rows: list[int] = []
+        mask_rows: list[int] = []
+        row = 0
+        for rid, n in zip(req_ids, num_rows):
+            first = self.rows.get(rid)
+            if first is not None:
+                logit_rows.extend(range(row, row + n))
+                mask_rows.extend(range(first, first + n))
+            row += n
+        if logit_rows:
+            apply_bitmask(logits, self.bitmask, logit_rows, mask_rows)
+
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int], mask_rows: list[int]) -> None:
     """Set to -inf, in place, every logit of `logits[logit_rows[i]]` that row `mask_rows[i]` of `bitmask` forbids.

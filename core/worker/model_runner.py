@@ -65,7 +65,6 @@ from pagedllm.sample.metadata import SamplingMetadata, to_device
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.spec_decode.verification import verify
-from pagedllm.structured_output.bitmask import apply_bitmask
 from pagedllm.worker import prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeGraphs, GPURunnerOptions, StepBuffers, graph_ladder
 from pagedllm.worker.input_prep import (
@@ -300,7 +299,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows_idx, device=hidden.device)])
             rows = [states[i] for i in sample_rows]
             if so.structured_output is not None:  # drafts are verified under their positions' masks
-                self._apply_grammar(so, logits, [req_ids[i] for i in sample_rows], [len(d) + 1 for d in drafts])
+                so.structured_output.apply(logits, [req_ids[i] for i in sample_rows], [len(d) + 1 for d in drafts])
             # A runner without the proposer (a remote tensor-parallel rank) verifies with one-hot q.
             verified = (self.speculator.verify(self.sampler, logits, rows, drafts) if self.speculator is not None
                         else verify(self.sampler, logits, rows, drafts, [None] * len(rows), self.vocab_size))
@@ -314,7 +313,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[idx])
             rows = [states[i] for i in sample_rows]
             if so.structured_output is not None:
-                self._apply_grammar(so, logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
+                so.structured_output.apply(logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
             metadata = SamplingMetadata.build(
                 [s.sampling_params for s in rows],
                 [s.generator for s in rows],
@@ -343,24 +342,6 @@ class ModelRunner:
             drafts_next = self.speculator.propose([states[i] for i in sample_rows])
             proposals = [drafts_next.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids, sampled, logprobs, proposals, prompt_lps)
-
-    @staticmethod
-    def _apply_grammar(so: SchedulerOutput, logits: torch.Tensor, req_ids: list[str], num_rows: list[int]) -> None:
-        """Mask the logits of the structured-output requests (rows per request: `num_rows`, in order) with the
-        engine core's bitmask (structured_output/manager.py), on the device, outside any graph."""
-        grammar = so.structured_output
-        assert grammar is not None
-        logit_rows: list[int] = []
-        mask_rows: list[int] = []
-        row = 0
-        for rid, n in zip(req_ids, num_rows):
-            first = grammar.rows.get(rid)
-            if first is not None:
-                logit_rows.extend(range(row, row + n))
-                mask_rows.extend(range(first, first + n))
-            row += n
-        if logit_rows:
-            apply_bitmask(logits, grammar.bitmask, logit_rows, mask_rows)
 
     def _layout(self, so: SchedulerOutput) -> tuple[list[str], list[CachedRequestState], list[int]]:
         """The step's requests, decodes first (backends batch the query_len == 1 rows together)."""

@@ -18,9 +18,8 @@ from pagedllm.api.parsers import (
     JSONScanError,
     PartialToolCall,
     ToolPrefix,
-    call_from_object,
     partial_suffix,
-    scan_object,
+    scan_call_objects,
     scan_value,
     skip_ws,
 )
@@ -48,17 +47,7 @@ class MistralToolParser(IncrementalToolParser):
             return ToolPrefix(content, valid=False)
 
     def _json_array(self, text: str, i: int, content: str) -> ToolPrefix:
-        calls: list[PartialToolCall] = []
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] == "{":
-            scan = scan_object(text, i)
-            calls.append(call_from_object(text, scan))
-            if not scan.complete:
-                break
-            i = skip_ws(text, scan.end)
-            if i < len(text) and text[i] == ",":
-                i = skip_ws(text, i + 1)
-        return ToolPrefix(content, calls)
+        return ToolPrefix(content, scan_call_objects(text, i + 1, []))
 
     def _name_args(self, text: str, start: int, content: str, final: bool) -> ToolPrefix:
         calls: list[PartialToolCall] = []
