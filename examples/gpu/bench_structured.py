@@ -184,7 +184,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(paths: list[str]) -> str:
-    res = {r["engine"]: r for r in (json.load(open(p)) for p in paths if os.path.exists(p))}
+    res: dict[str, Any] = {}
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                r = json.load(f)
+            res[r["engine"]] = r
     lines = ["| N | engine | free tok/s | schema tok/s | schema / free | pagedllm / vLLM (schema) |",
              "|---|---|---|---|---|---|"]
     levels = sorted({int(n) for r in res.values() for n in r["levels"]})
