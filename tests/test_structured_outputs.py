@@ -199,16 +199,27 @@ def test_draft_model_drafts_cut_by_the_grammar_keep_greedy_output(model_dir: str
     spec.engine.shutdown()
 
 
-def test_async_scheduling_runs_grammar_steps_synchronously(model_dir: str, llm: LLM) -> None:
-    prompts = ["Free text here", "x", "Another free one", "{"]
+def test_async_scheduling_fills_grammar_masks_in_the_runner(model_dir: str, llm: LLM) -> None:
+    """Pipelined steps keep running with grammar requests (manager.py NOTE 3): each step's masks are filled
+    from the step before's ids after its forward is launched. Tokens, finish reasons and validity must equal
+    the synchronous engine's, with free requests beside them, a grammar that ends early, and seeded n > 1."""
+    prompts = ["Free text here", "x", "Another free one", "{", "Describe a user as JSON:"]
     params = [SamplingParams(temperature=0.0, max_tokens=20), _json(PERSON),
-              SamplingParams(temperature=0.0, max_tokens=30), _json(ITEMS)]
-    expected = _ids(llm.generate(prompts, params, use_tqdm=False))
+              SamplingParams(temperature=0.0, max_tokens=30), _json(ITEMS),
+              _json(NESTED, temperature=1.0, seed=7, n=2)]
+    sync = llm.generate(prompts, params, use_tqdm=False)
     pipelined = LLM(model_dir, block_size=4, async_scheduling=True, structured_outputs_config={"disable_any_whitespace": True})
-    assert pipelined.engine.core.async_scheduling
+    core = pipelined.engine.core
+    assert core.async_scheduling and core._pipelined_grammars
     free_first = _ids(pipelined.generate(prompts[:1], params[:1], use_tqdm=False))  # pipelined, no grammar
-    assert free_first == expected[:1]
-    assert _ids(pipelined.generate(prompts, params, use_tqdm=False)) == expected
+    assert free_first == _ids(sync[:1])
+    outs = pipelined.generate(prompts, params, use_tqdm=False)
+    assert _ids(outs) == _ids(sync)
+    assert [c.finish_reason for o in outs for c in o.outputs] == [c.finish_reason for o in sync for c in o.outputs]
+    for out, schema in ((outs[1], PERSON), (outs[3], ITEMS), (outs[4], NESTED)):
+        for completion in out.outputs:
+            _assert_valid_json(completion, schema)
+    assert not core._structured.grammars and not core._structured._pre_accepted
     pipelined.engine.shutdown()
 
 

@@ -20,10 +20,11 @@ ready: the batch never waits for a compiler, and scheduler plugins never see a r
 Around each step that has grammar requests the core fills the batch bitmask after schedule() (the runner applies
 it to the logits before sampling) and advances the grammars with the step's tokens after update_from_output; a
 grammar that terminated finishes its request (`stop`). The manager is made with the first such request, so an
-engine that never serves one pays nothing (one dict lookup per step). With async scheduling, steps run
-synchronously while grammar requests are in the engine: a pipelined step N+1 would be scheduled before step N's
-tokens reach the grammars, so its mask would be one token stale (vLLM instead fills masks in its scheduler
-process, one step behind; a possible successor here).
+engine that never serves one pays nothing (one dict lookup per step). With async scheduling, step N+1 is
+scheduled before step N's tokens reach the grammars, so its masks are filled later, by the runner, once it
+holds N's ids and has launched N+1's forward (a DeferredBitmask: structured_output/manager.py NOTE 3): the
+grammar work overlaps the GPU as the rest of the host work does. An executor that does not declare
+`fills_deferred_masks` runs grammar steps synchronously instead.
 
 Plugins that act on steps run wherever the core runs: the configured logits processors and the speculative
 proposer are built with the runner (builder.py, runner_plugins.py), the `step_stats` hook is called here.
@@ -69,6 +70,10 @@ class EngineCore:
         self._gc_threshold = gc.get_threshold()  # the process's, put back by shutdown()
         self._structured: StructuredOutputManager | None = None  # made with the first grammar request (NOTE 2)
         self._awaiting_grammar: dict[str, tuple[Request, Future[Any]]] = {}
+        # Grammar requests keep steps pipelined when the runner fills their masks itself (NOTE 2): an in-process
+        # runner or rank 0 of an executor; the rest stay synchronous.
+        self._pipelined_grammars = bool(getattr(parts.executor if parts.executor is not None else parts.runner,
+                                                "fills_deferred_masks", False))
         try:
             self._step_hook = self.pm.hook.step_stats
             self.async_scheduling = self._use_async_scheduling()
@@ -208,7 +213,7 @@ class EngineCore:
         if self._awaiting_grammar:
             self._admit_compiled(outputs)
         grammars = self._structured is not None and bool(self._structured.grammars)
-        if self.async_scheduling and not grammars:
+        if self.async_scheduling and (not grammars or self._pipelined_grammars):
             return self._step_pipelined(outputs)
         if self._in_flight is not None:
             self._drain_pipelined(outputs)  # grammar requests arrived: finish the step in flight first (NOTE 2)
@@ -241,9 +246,14 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
+        structured = self._structured
+        if structured is not None and structured.grammars:  # masks filled by the runner (NOTE 2)
+            scheduler_output.deferred_structured_output = structured.deferred(scheduler_output, self.scheduler.requests)
         previous = self._execute_pipelined(scheduler_output)
         if previous is not None:
-            outputs.extend(self.scheduler.update_from_output(self._in_flight, previous))
+            step_outputs = self.scheduler.update_from_output(self._in_flight, previous)
+            self._advance_grammars(step_outputs)
+            outputs.extend(step_outputs)
         self._in_flight = None if scheduler_output.is_empty else scheduler_output
         self._report(scheduler_output)
         return outputs

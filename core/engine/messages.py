@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # torch-free at run time: the bitmask's module imports torch
-    from pagedllm.structured_output.bitmask import GrammarBitmask
+    from pagedllm.structured_output.bitmask import DeferredBitmask, GrammarBitmask
 
 
 @dataclass
@@ -47,6 +47,9 @@ class SchedulerOutput:
     # Structured outputs: the token masks of the grammar requests that sample this step, filled by the engine
     # core after schedule() (structured_output/manager.py); None when the step has none (the runner skips it).
     structured_output: GrammarBitmask | None = None
+    # A pipelined step's masks instead: filled by the runner once the step before's ids are in (manager.py
+    # NOTE 3).
+    deferred_structured_output: DeferredBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

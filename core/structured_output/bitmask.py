@@ -6,7 +6,9 @@ word w set = token 32 w + j may be sampled. A row of -1 allows everything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +50,26 @@ class GrammarBitmask:
             row += n
         if logit_rows:
             apply_bitmask(logits, self.bitmask, logit_rows, mask_rows)
+
+
+class DeferredBitmask:
+    """A pipelined step's masks, filled once the runner holds the step before's sampled ids
+    (structured_output/manager.py NOTE 3): `resolve(previous)` feeds those ids to the grammars and returns
+    the step's GrammarBitmask. It lives in the engine core's process: a tensor-parallel rank that receives
+    the step pickled gets None here, as it samples nothing (rank 0 samples and broadcasts the ids)."""
+
+    def __init__(self, fill: Callable[[Any], GrammarBitmask]) -> None:
+        self._fill = fill
+
+    def resolve(self, previous: Any) -> GrammarBitmask:
+        return self._fill(previous)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int], mask_rows: list[int]) -> None:

@@ -15,6 +15,15 @@ NOTE(2) drafts (vLLM's scheme): after each step a request's new drafts are cut t
 accepts (`validate_tokens`), so the scheduler never spends a slot on a draft the mask would reject. The
 bitmask then has one row per draft position plus the bonus one: row j is filled after accepting drafts
 0..j-1, and the grammar is rolled back afterwards, so verification samples every position under its own mask.
+
+NOTE(3) pipelined steps (async scheduling, engine_core.py NOTE 2). Step N+1 is scheduled and its forward
+launched before step N's tokens reach the host, so its masks cannot be filled at schedule time. `deferred()`
+lays out N+1's rows and hands the runner a DeferredBitmask; once the runner holds N's sampled ids (after
+launching N+1's forward, model_runner.py NOTE 1) it calls `resolve(previous)`, which feeds N's tokens to the
+grammars and fills N+1's rows -- host work that then overlaps N+1's forward on the GPU, as vLLM's deferred
+sampling does. The tokens are remembered as accepted (`_pre_accepted`), so the core's `advance()` for step N
+only finishes what they terminated. A grammar that N's token terminated gets an allow-all row: its request
+finishes with N, and the extra token N+1 samples is dropped like any token after a stop.
 """
 
 from __future__ import annotations
@@ -25,12 +34,14 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pagedllm.engine.messages import EngineCoreOutput, SchedulerOutput
+import torch
+
+from pagedllm.engine.messages import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.protocols.structured_output import StructuredOutputContext, StructuredOutputGrammar
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.bitmask import GrammarBitmask, allocate_bitmask
+from pagedllm.structured_output.bitmask import DeferredBitmask, GrammarBitmask, bitmask_width
 from pagedllm.structured_output.constraints import constraint_key
 from pagedllm.structured_output.selection import select_backend
 
@@ -59,6 +70,10 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compile_threads = compile_threads
         self.grammars: dict[str, StructuredOutputGrammar] = {}  # request id -> its matcher (NOTE 1)
+        self._pre_accepted: dict[str, bool] = {}  # request id -> its last tokens' acceptance (NOTE 3)
+        # One CPU buffer for every step's masks: a fresh 4 MB tensor per step (256 rows of a 128k vocabulary)
+        # costs its page faults each time. The runner copies the rows to the device within the step.
+        self._buffer = torch.empty((0, bitmask_width(self.vocab_size)), dtype=torch.int32)
 
     # -- compiling ---------------------------------------------------------------------------------------------
 
@@ -133,7 +148,8 @@ class StructuredOutputManager:
             num_rows += len(drafts) + 1
         if not plan:
             return None
-        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        bitmask = self._rows(num_rows)
+        bitmask.fill_(-1)
         rows: dict[str, int] = {}
         row = 0
         for rid, grammar, drafts in plan:
@@ -152,6 +168,49 @@ class StructuredOutputManager:
             row += len(drafts) + 1
         return GrammarBitmask(rows, bitmask)
 
+    def _rows(self, num_rows: int) -> torch.Tensor:
+        if self._buffer.shape[0] < num_rows:
+            self._buffer = torch.empty((max(num_rows, 2 * self._buffer.shape[0]), self._buffer.shape[1]),
+                                       dtype=torch.int32)
+        return self._buffer[:num_rows]
+
+    def deferred(self, so: SchedulerOutput, requests: Mapping[str, Request]) -> DeferredBitmask | None:
+        """A pipelined step's masks, filled when the runner has the step before's tokens (NOTE 3). Every
+        grammar request of the step gets a row but a prompt chunk before the last (it samples nothing):
+        whether a decode samples is the runner's to know, and a row too many costs one fill."""
+        grammars = self.grammars
+        plan: list[tuple[str, StructuredOutputGrammar]] = []
+        for rid in so.num_scheduled_tokens:
+            grammar = grammars.get(rid)
+            if grammar is None:
+                continue
+            req = requests.get(rid)
+            if req is None or req.num_computed_tokens < len(req.prompt_token_ids):
+                continue
+            plan.append((rid, grammar))
+        return DeferredBitmask(lambda previous: self._resolve(plan, previous)) if plan else None
+
+    def _resolve(self, plan: list[tuple[str, StructuredOutputGrammar]],
+                 previous: ModelRunnerOutput | None) -> GrammarBitmask:
+        grammars = self.grammars
+        if previous is not None:
+            for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids):
+                if tokens:
+                    grammar = grammars.get(rid)
+                    if grammar is not None:
+                        self._pre_accepted[rid] = grammar.accept_tokens(rid, tokens)
+        bitmask = self._rows(len(plan))
+        rows: dict[str, int] = {}
+        live: list[tuple[StructuredOutputGrammar, int]] = []
+        for row, (rid, grammar) in enumerate(plan):
+            rows[rid] = row
+            if grammar.is_terminated() or self._pre_accepted.get(rid) is False:
+                bitmask[row].fill_(-1)  # its request ends with the step before (NOTE 3)
+            else:
+                live.append((grammar, row))
+        fill_rows(live, bitmask)
+        return GrammarBitmask(rows, bitmask)
+
     def advance(self, outputs: list[EngineCoreOutput], requests: Mapping[str, Request]) -> dict[str, RequestStatus]:
         """Feed each grammar request its accepted tokens. Returns the requests the engine must finish, with
         their status: a terminated grammar the step did not already finish (`stop`; the output says so), a
@@ -162,7 +221,10 @@ class StructuredOutputManager:
             grammar = grammars.get(out.request_id)
             if grammar is None:
                 continue
-            if out.new_token_ids and not grammar.accept_tokens(out.request_id, out.new_token_ids):
+            accepted = self._pre_accepted.pop(out.request_id, None)  # NOTE 3
+            if accepted is None and out.new_token_ids:
+                accepted = grammar.accept_tokens(out.request_id, out.new_token_ids)
+            if accepted is False:
                 # The mask allowed only what the grammar accepts: this is a backend bug, reported as such.
                 logger.error("structured output: request %s produced tokens %s its grammar rejects",
                              out.request_id, out.new_token_ids)
@@ -185,9 +247,26 @@ class StructuredOutputManager:
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.grammars.pop(rid, None)
+            self._pre_accepted.pop(rid, None)
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+
+
+def fill_rows(live: list[tuple[StructuredOutputGrammar, int]], bitmask: torch.Tensor) -> None:
+    """Fill row `row` of `bitmask` for each (grammar, row). A grammar class may offer a batch fill,
+    `fill_bitmasks(grammars, bitmask, rows)` (a staticmethod; xgrammar's runs on its own threads, as vLLM
+    fills large batches in parallel); grammars of one class go through it together."""
+    by_class: dict[type, list[tuple[StructuredOutputGrammar, int]]] = {}
+    for grammar, row in live:
+        by_class.setdefault(type(grammar), []).append((grammar, row))
+    for cls, items in by_class.items():
+        batch = getattr(cls, "fill_bitmasks", None)
+        if batch is not None and len(items) > 1:
+            batch([g for g, _ in items], bitmask, [r for _, r in items])
+        else:
+            for grammar, row in items:
+                grammar.fill_bitmask(bitmask, row)

@@ -402,6 +402,12 @@ class ModelRunner:
             logits_indices = logits_indices[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden[logits_indices])
         rows = [states[i] for i in sample_rows]
+        # A deferred mask is filled now, from the previous step's ids, while the GPU runs this step's forward
+        # (structured_output/manager.py NOTE 3); only rank 0 has one, as only rank 0 samples.
+        mask = (so.deferred_structured_output.resolve(previous) if so.deferred_structured_output is not None
+                else so.structured_output)
+        if mask is not None:
+            mask.apply(logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
         sampled_ids, logprobs = self._sample_pipelined(logits, rows)
         host, ready = None, None
         if self.device.type == "cuda":

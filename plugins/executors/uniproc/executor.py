@@ -9,6 +9,10 @@ from pagedllm.api.sched import ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:
+    # Its runner is in the engine core's process and samples: it fills a pipelined step's grammar masks
+    # itself (pagedllm.api.sched: SchedulerOutput.deferred_structured_output).
+    fills_deferred_masks = True
+
     def __init__(self, ctx: ExecutorContext) -> None:
         if ctx.tp_size != 1:
             raise ValueError(f"uniproc executor: parallel.tensor_parallel_size must be 1, not {ctx.tp_size}")

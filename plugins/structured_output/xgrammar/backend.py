@@ -115,6 +115,9 @@ def _structural_tag_args(text: str) -> tuple[Any, ...]:
     return (text,)
 
 
+_BATCH: xgr.BatchGrammarMatcher | None = None  # made on the first batch fill
+
+
 class XgrammarGrammar:
     """One request's matcher (pagedllm.api.structured_output.StructuredOutputGrammar)."""
 
@@ -151,6 +154,15 @@ class XgrammarGrammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    @staticmethod
+    def fill_bitmasks(grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Many rows at once, on xgrammar's own threads (half the machine's cores), as vLLM fills a large
+        batch in parallel: at 256 requests one by one it is ~1 ms of the engine thread each step."""
+        global _BATCH
+        if _BATCH is None:
+            _BATCH = xgr.BatchGrammarMatcher()
+        _BATCH.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     def is_terminated(self) -> bool:
         return self._terminated
