@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.sample.metadata import to_device
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -84,14 +86,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[
     if device.type == "cpu":
         forbidden = _forbidden_cpu(bitmask if identity else bitmask[mask_rows], vocab)
     else:
+        # Both copies are asynchronous (a pinned mask buffer: manager.py; to_device's pinned staging): a
+        # synchronous one would make the host wait here for the step's forward to finish.
         mask = bitmask.to(device, non_blocking=True)
         if not identity:
-            mask = mask[torch.tensor(mask_rows, device=device)]
+            mask = mask[to_device(mask_rows, torch.int64, device)]
         forbidden = forbidden_by_shifts(mask, vocab)
     if logit_rows == list(range(logits.shape[0])):
         logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(logit_rows, device=device)
+    index = to_device(logit_rows, torch.int64, device)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 

@@ -72,7 +72,11 @@ class StructuredOutputManager:
         self.grammars: dict[str, StructuredOutputGrammar] = {}  # request id -> its matcher (NOTE 1)
         self._pre_accepted: dict[str, bool] = {}  # request id -> its last tokens' acceptance (NOTE 3)
         # One CPU buffer for every step's masks: a fresh 4 MB tensor per step (256 rows of a 128k vocabulary)
-        # costs its page faults each time. The runner copies the rows to the device within the step.
+        # costs its page faults each time. Pinned where CUDA is, so that the runner's copy to the device is
+        # asynchronous: from pageable memory the copy waits for the stream, i.e. for the step's forward, and
+        # the host work meant to overlap it would wait too. Reusing it is safe: a step's masks are filled only
+        # after the step before has sampled (its ids are on the host), so the last copy from it is done.
+        self._pin = torch.cuda.is_available()
         self._buffer = torch.empty((0, bitmask_width(self.vocab_size)), dtype=torch.int32)
 
     # -- compiling ---------------------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ class StructuredOutputManager:
     def _rows(self, num_rows: int) -> torch.Tensor:
         if self._buffer.shape[0] < num_rows:
             self._buffer = torch.empty((max(num_rows, 2 * self._buffer.shape[0]), self._buffer.shape[1]),
-                                       dtype=torch.int32)
+                                       dtype=torch.int32, pin_memory=self._pin)
         return self._buffer[:num_rows]
 
     def deferred(self, so: SchedulerOutput, requests: Mapping[str, Request]) -> DeferredBitmask | None:
@@ -194,11 +198,9 @@ class StructuredOutputManager:
                  previous: ModelRunnerOutput | None) -> GrammarBitmask:
         grammars = self.grammars
         if previous is not None:
-            for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids):
-                if tokens:
-                    grammar = grammars.get(rid)
-                    if grammar is not None:
-                        self._pre_accepted[rid] = grammar.accept_tokens(rid, tokens)
+            todo = [(rid, grammar, tokens) for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids)
+                    if tokens and (grammar := grammars.get(rid)) is not None]
+            self._pre_accepted.update(zip((rid for rid, _, _ in todo), accept_rows(todo)))
         bitmask = self._rows(len(plan))
         rows: dict[str, int] = {}
         live: list[tuple[StructuredOutputGrammar, int]] = []
@@ -254,6 +256,18 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+
+
+def accept_rows(todo: list[tuple[str, StructuredOutputGrammar, list[int]]]) -> list[bool]:
+    """accept_tokens for each (request id, grammar, tokens), in order. A grammar class may offer a batch
+    form, `accept_many(grammars, tokens)` (a staticmethod)."""
+    if not todo:
+        return []
+    cls = type(todo[0][1])
+    batch = getattr(cls, "accept_many", None)
+    if batch is not None and len(todo) > 1 and all(type(g) is cls for _, g, _ in todo):
+        return list(batch([g for _, g, _ in todo], [t for _, _, t in todo]))
+    return [grammar.accept_tokens(rid, tokens) for rid, grammar, tokens in todo]
 
 
 def fill_rows(live: list[tuple[StructuredOutputGrammar, int]], bitmask: torch.Tensor) -> None:

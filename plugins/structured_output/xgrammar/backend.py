@@ -8,7 +8,9 @@ is a 400 naming the parse error: nothing is guessed from the text's look.
 from __future__ import annotations
 
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -116,6 +118,8 @@ def _structural_tag_args(text: str) -> tuple[Any, ...]:
 
 
 _BATCH: xgr.BatchGrammarMatcher | None = None  # made on the first batch fill
+_POOL: ThreadPoolExecutor | None = None  # accept_many's, made on the first large batch
+_ACCEPT_THREADS = min(4, (os.cpu_count() or 1) // 2)
 
 
 class XgrammarGrammar:
@@ -156,9 +160,26 @@ class XgrammarGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
     @staticmethod
+    def accept_many(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> list[bool]:
+        """accept_tokens for many requests at once. xgrammar's matcher releases the GIL, and accepting a token
+        is its costly call (~30 us on the H200 host for a JSON schema's state, 8 ms a step at 256 requests,
+        against ~3 ms on 4 threads), so large batches go to a pool of up to 4 threads (half the cores)."""
+        n, threads = len(grammars), _ACCEPT_THREADS
+        if threads <= 1 or n < 64:
+            return [g.accept_tokens("", t) for g, t in zip(grammars, tokens)]
+        global _POOL
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(threads, thread_name_prefix="pagedllm-grammar-accept")
+        size = (n + threads - 1) // threads
+        parts = _POOL.map(lambda lo: [g.accept_tokens("", t) for g, t in zip(grammars[lo:lo + size],
+                                                                              tokens[lo:lo + size])],
+                          range(0, n, size))
+        return [ok for part in parts for ok in part]
+
+    @staticmethod
     def fill_bitmasks(grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Many rows at once, on xgrammar's own threads (half the machine's cores), as vLLM fills a large
-        batch in parallel: at 256 requests one by one it is ~1 ms of the engine thread each step."""
+        batch in parallel (measured on the H200 at 256 requests: 0.72 -> 0.85 of free-text tok/s)."""
         global _BATCH
         if _BATCH is None:
             _BATCH = xgr.BatchGrammarMatcher()
