@@ -7,14 +7,39 @@ Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from pagedllm.layers.compile_ahead import launch
 from pagedllm.layers.cuda_rtc import RtcError, load_kernel
 from pagedllm.layers.cuda_rtc import launch as launch_rtc
 from pagedllm.layers.fused_ops import triton_available
 from pagedllm.layers.kv_cache_write import is_fp8, reshape_and_cache
 from pagedllm.layers.native_build import load_native
-from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
-from pagedllm.layers.split_k import reduce_split, split_k, store_rows, tickets
+
+if TYPE_CHECKING:
+    from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
+    from pagedllm.layers.split_k import reduce_split, split_k, store_rows, tickets
+
+# NOTE: these names are Triton device functions and import triton with their modules, so they load on first
+# access: a plugin that imports `triton_available` from here must work on an install without triton (the
+# CPU serving install, README's first command), where it is then False and the Triton names are never used.
+_TRITON_NAMES = {
+    "launch_dependents": "pagedllm.layers.pdl", "pdl_on": "pagedllm.layers.pdl",
+    "prefetch_l2": "pagedllm.layers.pdl", "wait_primary": "pagedllm.layers.pdl",
+    "reduce_split": "pagedllm.layers.split_k", "split_k": "pagedllm.layers.split_k",
+    "store_rows": "pagedllm.layers.split_k", "tickets": "pagedllm.layers.split_k",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TRITON_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "RtcError",
