@@ -113,10 +113,34 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks that split every layer (heads, MLP columns, vocabulary); one process each"
     )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages that split the decoder layers (each stage tensor_parallel_size ranks; world "
+        "size tp x pp); stage s sends its hidden state and residual to stage s + 1, the last samples"
+    )
+    pp_layer_partition: list[int] | None = Field(
+        None, description="decoder layers per pipeline stage, e.g. [3, 5] (vLLM's VLLM_PP_LAYER_PARTITION); None "
+        "= even, the remainder on the stages before the last"
+    )
     data_parallel_size: int = Field(1, ge=1, description="independent engine replicas behind one frontend (Ray)")
     executor: str | None = Field(
-        None, description="executor plugin (uniproc, multiproc, ray); None = uniproc at tp 1, else multiproc"
+        None, description="executor plugin (uniproc, multiproc, ray); None = uniproc at tp x pp 1, else multiproc"
     )
+
+    @field_validator("pp_layer_partition", mode="before")
+    @classmethod
+    def _partition_from_text(cls, v: Any) -> Any:
+        # vLLM's VLLM_PP_LAYER_PARTITION spelling, "3,5" (as PAGEDLLM_PARALLEL__PP_LAYER_PARTITION=3,5 gives it).
+        if isinstance(v, str):
+            try:
+                return [int(part) for part in v.split(",")]
+            except ValueError:
+                raise ValueError(f"expected layer counts such as '3,5' or [3, 5], got {v!r}") from None
+        return v
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class SpeculativeConfig(_Section):
@@ -161,6 +185,25 @@ class StructuredOutputsConfig(_Section):
     )
     compile_threads: int = Field(2, ge=1, description="threads compiling grammars off the step loop")
     cache_size: int = Field(256, ge=1, description="compiled grammars kept, by constraint (least recently used out)")
+
+
+class KVTransferConfig(_Section):
+    """KV blocks beyond the device pool (vLLM's KVTransferConfig): the KV-connector plugin, if any."""
+
+    kv_connector: str | None = Field(
+        None, description="KV-connector plugin (e.g. tiered: host-memory and disk tiers under the prefix cache; "
+        "its options in `plugins.<name>`); None = no connector",
+    )
+
+
+class ObservabilityConfig(_Section):
+    """What the engine reports beyond /metrics (vLLM's ObservabilityConfig)."""
+
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP collector for OpenTelemetry traces of every request (tracing.py: spans queue, "
+        "prefill, decode, detokenize); needs pagedllm[tracing]; the protocol is OTEL_EXPORTER_OTLP_TRACES_PROTOCOL "
+        "(grpc, the default, or http/protobuf); None = no tracing",
+    )
 
 
 class EngineConfig(_Section):
@@ -216,6 +259,8 @@ class EngineConfig(_Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     logits_processors: list[str] = Field(
         default_factory=list,
         description="logits processor plugins to run, in order, before penalties and temperature",
@@ -384,6 +429,7 @@ COMPONENT_KEYS: dict[str, PluginKind] = {
     "speculative.draft_load_format": PluginKind.LOADER,
     "parallel.executor": PluginKind.EXECUTOR,
     "structured_outputs.backend": PluginKind.STRUCTURED_OUTPUT,
+    "kv_transfer.kv_connector": PluginKind.KV_CONNECTOR,
     "logits_processors": PluginKind.LOGITS_PROCESSOR,
 }
 # Values besides None that a key reads as unset: the builder takes `quantization.method or <checkpoint's>`.
@@ -487,9 +533,13 @@ def flat_overrides(**kwargs: Any) -> dict[str, Any]:
         "prompt_lookup_min": "speculative.prompt_lookup_min",
         "prompt_lookup_max": "speculative.prompt_lookup_max",
         "tensor_parallel_size": "parallel.tensor_parallel_size",
+        "pipeline_parallel_size": "parallel.pipeline_parallel_size",
+        "pp_layer_partition": "parallel.pp_layer_partition",
         "data_parallel_size": "parallel.data_parallel_size",
         "distributed_executor_backend": "parallel.executor",
         "structured_outputs_config": "structured_outputs",  # vLLM's StructuredOutputsConfig keyword
+        "kv_transfer_config": "kv_transfer",  # vLLM's KVTransferConfig keyword
+        "otlp_traces_endpoint": "observability.otlp_traces_endpoint",
     }
     out: dict[str, Any] = {}
     for key, value in kwargs.items():

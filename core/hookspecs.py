@@ -43,6 +43,7 @@ from pagedllm.kv_cache.spec import KVCacheSpec
 from pagedllm.selection_context import (
     AttentionSelectionContext,
     ExecutorCheckContext,
+    KVConnectorCheckContext,
     LoaderCheckContext,
     ProposerCheckContext,
     QuantizationCheckContext,
@@ -140,6 +141,7 @@ RegisterCommand = Register[None]
 RegisterStructuredOutputBackend = Register[StructuredOutputCheckContext]
 RegisterToolParser = Register[None]
 RegisterReasoningParser = Register[None]
+RegisterKVConnector = Register[KVConnectorCheckContext]
 
 
 @hookspec
@@ -279,6 +281,18 @@ def register_reasoning_parsers(register: RegisterReasoningParser) -> None:
     model's text into `reasoning_content` and `content`, whole or delta by delta while streaming.
 
     :param register: call once per parser; check() receives None.
+    """
+
+
+@hookspec
+def register_kv_connectors(register: RegisterKVConnector) -> None:
+    """Register KV connectors (pagedllm.protocols.kv_connector): stores of KV blocks beyond the device pool.
+
+    `load()` returns a class built once per engine as `cls(KVConnectorContext)`. Only the connector the
+    config's `kv_transfer.kv_connector` names is used (none by default: no connector, no cost).
+
+    :param register: call once per connector; check() receives the engine's `KVConnectorCheckContext`
+        (device, KV-cache groups, world size, prefix caching): return reasons it cannot serve that engine.
     """
 
 

@@ -27,6 +27,7 @@ class PluginKind(enum.StrEnum):
     STRUCTURED_OUTPUT = "structured_output"
     TOOL_PARSER = "tool_parser"
     REASONING_PARSER = "reasoning_parser"
+    KV_CONNECTOR = "kv_connector"
 
     @property
     def hook_name(self) -> str:
@@ -52,6 +53,7 @@ _HOOKS = {
     PluginKind.STRUCTURED_OUTPUT: "register_structured_output_backends",
     PluginKind.TOOL_PARSER: "register_tool_parsers",
     PluginKind.REASONING_PARSER: "register_reasoning_parsers",
+    PluginKind.KV_CONNECTOR: "register_kv_connectors",
 }
 _GROUPS = {
     PluginKind.ATTENTION: "pagedllm.attention_backends",
@@ -68,6 +70,7 @@ _GROUPS = {
     PluginKind.STRUCTURED_OUTPUT: "pagedllm.structured_output",
     PluginKind.TOOL_PARSER: "pagedllm.tool_parsers",
     PluginKind.REASONING_PARSER: "pagedllm.reasoning_parsers",
+    PluginKind.KV_CONNECTOR: "pagedllm.kv_connectors",
 }
 # A light structural check at resolve time (STYLE.md failure policy): the object each kind's `load()` returns
 # must carry its protocol's required members (`required_members`), so a registration whose load() gives the
@@ -88,6 +91,7 @@ _PROTOCOLS: dict[PluginKind, str] = {
     PluginKind.STRUCTURED_OUTPUT: "pagedllm.protocols.structured_output:StructuredOutputBackend",
     PluginKind.TOOL_PARSER: "pagedllm.protocols.tool_parser:ToolParser",
     PluginKind.REASONING_PARSER: "pagedllm.protocols.reasoning_parser:ReasoningParser",
+    PluginKind.KV_CONNECTOR: "pagedllm.protocols.kv_connector:KVConnector",
 }
 _OPTIONAL = "__pagedllm_optional__"
 _F = TypeVar("_F")

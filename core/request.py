@@ -28,6 +28,24 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the engine core (vLLM V1's EngineCoreEvent types)."""
+
+    QUEUED = 1  # entered the engine core (a grammar still compiling counts as queue time, as in vLLM)
+    SCHEDULED = 2  # sent to the model runner: its first admission, or a re-admission after a preemption
+    PREEMPTED = 3  # its KV blocks were freed; it waits to be recomputed
+
+
+@dataclass
+class EngineCoreEvent:
+    """One event with the core's `time.monotonic()` stamp. The frontend compares it with its own monotonic
+    stamps (arrival, first token): on Linux that clock is one per machine, shared by every process, so the
+    server's engine-core process and its API process agree (a core on another host would not)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -69,6 +87,9 @@ class Request:
     # Async scheduling (engine_core.py NOTE 1): tokens sampled by a step still in flight. They count as
     # sequence positions to schedule (the runner feeds them from the device) but are not known yet.
     num_output_placeholders: int = 0
+    # Queued / scheduled / preempted since the last output: handed out on the next EngineCoreOutput (the
+    # frontend's queue, prefill and decode times and tracing spans come from them).
+    events: list[EngineCoreEvent] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -99,6 +120,16 @@ class Request:
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.monotonic()))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events not handed out yet (None when there are none), forgotten here."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def get_finish_reason(self) -> str | None:
         return RequestStatus.finish_reason(self.status)

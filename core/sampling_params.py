@@ -219,3 +219,32 @@ class SamplingParams:
 def _is_int(value: Any) -> bool:
     # bool is an int subclass; `True` as a token id is a client bug, not token 1.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search over the engine (`LLM.beam_search`; vLLM's `BeamSearchParams`, same field names).
+
+    Each step every live beam runs as a one-token request asking for its top candidates' logprobs; the best
+    `beam_width` continuations by cumulative logprob live on, and a beam ending in EOS (unless `ignore_eos`) or
+    at `max_tokens` is scored `cum_logprob / generated_len ** length_penalty` (docs/sampling.md, "Beam search",
+    says how this follows transformers and where it differs from vLLM). `temperature` > 0 samples each beam's
+    one token, which joins its candidates (vLLM's behaviour); 0 keeps the search deterministic.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature}")
+        if self.length_penalty != self.length_penalty:  # NaN would make every score NaN: no order at all
+            raise ValueError("BeamSearchParams.length_penalty must be a number, got NaN")

@@ -15,6 +15,7 @@ through a `Mapping`.
     proposer              the config's `speculative` section             ProposerCheckContext
     executor              the config's `parallel` section                ExecutorCheckContext
     structured_output     one request's constraint                       StructuredOutputCheckContext
+    kv_connector          the engine's device, KV groups, world size      KVConnectorCheckContext
     model, entrypoint, logits_processor, command                         None
 
 Light on purpose (typing only, no torch, no pydantic): registration modules import these through
@@ -44,6 +45,8 @@ class AttentionSelectionContext:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     cuda_graphs: bool = False
+    # Learned per-head attention sinks in the softmax (AttentionLayerConfig.sinks; gpt-oss).
+    sinks: bool = False
 
 
 # A KV manager's check() receives the spec of the KV-cache group it would hold (frozen dataclasses); only
@@ -61,6 +64,17 @@ QuantizationCheckContext: TypeAlias = Mapping[str, Any] | None
 # a reason against it (a Lark grammar xgrammar cannot parse, a JSON-schema feature one backend lacks) sends the
 # request to the next backend by priority. Read-only for the check.
 StructuredOutputCheckContext: TypeAlias = StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class KVConnectorCheckContext:
+    """What a KV connector's check() receives: the facts of the engine it would serve."""
+
+    device: str  # "cpu" or "cuda"
+    num_kv_groups: int  # KV-cache groups (one block table each)
+    kv_spec_types: tuple[str, ...]  # each group's KVCacheSpec class name ("FullAttentionSpec", "MambaSpec", ...)
+    world_size: int  # tensor x pipeline parallel ranks
+    enable_prefix_caching: bool  # block hashes exist only with prefix caching
 
 
 class SchedulerCheckContext(Protocol):
@@ -108,6 +122,11 @@ class ExecutorCheckContext(Protocol):
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks that split every layer, one process each."""
+        ...
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Stages that split the decoder layers, each of tensor_parallel_size ranks."""
         ...
 
     @property

@@ -177,7 +177,7 @@ def test_features_the_registration_refuses_are_skipped(pagedllm_component: Regis
 # -- KV managers ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["full_attention", "sliding_window", "mamba"])
+@pytest.mark.parametrize("name", ["full_attention", "sliding_window", "mamba", "sink"])
 def test_kv_manager(name: str) -> None:
     report = check_kv_manager(name)
     assert report.admissions > 50 and report.preemptions > 10
@@ -471,8 +471,8 @@ def test_quantization_check_catches_a_wrong_product(pagedllm_component: Register
 @pytest.mark.parametrize(("kind", "arch"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
                                             ("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM"),
                                             ("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
-                                            ("mamba", "MambaForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
-                                            ("bamba", "BambaForCausalLM")])
+                                            ("gpt_oss", "GptOssForCausalLM"), ("mamba", "MambaForCausalLM"),
+                                            ("mamba2", "Mamba2ForCausalLM"), ("bamba", "BambaForCausalLM")])
 def test_model_architecture(kind: str, arch: str) -> None:
     report = check_model_architecture(arch, tiny_hf_config(kind))
     assert report.new_tokens == 8 and max(report.prompt_lengths) > 8  # past gemma2's window of 8

@@ -123,14 +123,13 @@ def test_dummy_gguf_runs_kept_quantized(tmp_path: Path) -> None:
         _generate_finite(llm)
 
 
-def test_dummy_awq_tp_shards_are_slices_of_the_tp1_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dummy_awq_tp_shards_are_slices_of_the_tp1_weights(tmp_path: Path) -> None:
     """With tensor parallelism each rank's packed tensors decode to its slice of the tp=1 dummy weights: the
     fused pieces are cut in packed units (AWQ's qweight holds 8 outputs per word) and g_idx-free groups line up."""
     from pagedllm.config import EngineConfig
-    from pagedllm.engine import builder
     from pagedllm.engine.builder import build_engine_parts
 
-    monkeypatch.setattr(builder, "tp_min", lambda value, tp_size: value)  # the one collective of a build
+    # No group is joined here: the build's one collective (world_min of the KV blocks) is the identity.
     base = dict(model=_config_dir(tmp_path, QUANT_CONFIGS["awq"]), device="cpu", loader={"name": "dummy"},
                 kv_cache={"num_blocks": 4})
 

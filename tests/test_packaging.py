@@ -147,6 +147,9 @@ def test_wheel_holds_every_module_at_its_mapped_path(wheel: Path) -> None:
         ep_text = zf.read(entry_points).decode()
     missing = sorted(set(_source_files()) - names)
     assert not missing, f"modules missing from the wheel: {missing}"
+    # Package data too: the web UI's files, which `pagedllm serve` ships at / (tool.setuptools.package-data).
+    static = {n for n, p in _source_files("").items() if p.is_file() and "/server/ui/static/" in n}
+    assert static and not static - names, f"web UI files missing from the wheel: {sorted(static - names)}"
     dist_info = Path(entry_points).parent.name
     assert {name.split("/")[0] for name in names} == {"pagedllm", dist_info}  # no top-level core/ or plugins/
     for group, eps in _pyproject()["project"]["entry-points"].items():

@@ -17,6 +17,8 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from pagedllm.api import hookimpl  # noqa: E402
+from pagedllm.api.engine import EngineDeadError  # noqa: E402
+from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.plugin_manager import PluginManager  # noqa: E402
 from pagedllm.plugins.server.app import OPEN_PATHS, build_app  # noqa: E402
 from pagedllm.plugins.server.lifecycle import ServerState  # noqa: E402
@@ -35,7 +37,13 @@ class _StandInEngine:
     def __init__(self, pm: PluginManager) -> None:
         self.pm = pm
         self.stats = SchedulerStats()
+        self.config = EngineConfig()
         self.finished_listeners: list[Any] = []
+        self.iteration_listeners: list[Any] = []
+
+    @property
+    def ready(self) -> Any:
+        raise EngineDeadError("the engine core has not started")  # as AsyncLLM's before start()
 
 
 class _RoutePlugin:

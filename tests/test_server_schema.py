@@ -42,7 +42,9 @@ def _cap(case: Any) -> Any:
     """Keep fuzzed generations short; leave everything else (including invalid values) untouched."""
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        # The Responses API names its limit max_output_tokens (and has no max_tokens field to add).
+        keys = ("max_output_tokens",) if case.path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
+        for key in keys:
             value = body.get(key)
             too_long = isinstance(value, int) and not isinstance(value, bool) and value > 3
             if value is None or too_long:

@@ -197,12 +197,20 @@ def test_offline_generate_matches_http_for_the_fields(server: LiveServer, offlin
     assert r.json()["choices"][0]["text"] == local.outputs[0].text
 
 
-def test_responses_api_is_a_clear_404(client: openai.OpenAI) -> None:
+def test_responses_api_answers_as_chat_does(client: openai.OpenAI) -> None:
+    """/v1/responses on the model's own template: the same greedy answer and prompt as chat completions
+    (tests/test_server_responses.py covers the rest); nothing is stored, so retrieving is a clear 404."""
+    resp = client.responses.create(model="smollm2", input=CHAT[0]["content"], max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage is not None and chat.usage is not None
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                   chat.usage.completion_tokens)
+    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     with pytest.raises(openai.NotFoundError) as info:
-        client.responses.create(model="smollm2", input="hi")
-    assert info.value.status_code == 404
+        client.responses.retrieve(resp.id)
     body = info.value.body
-    assert isinstance(body, dict) and "not implemented" in body["message"]  # the client unwraps "error"
+    assert isinstance(body, dict) and "keeps no responses" in body["message"]  # the client unwraps "error"
 
 
 @pytest.mark.parametrize(

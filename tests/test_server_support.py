@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -29,13 +30,22 @@ class LiveServer:
             return f.read()[-4000:]
 
     def engine_core_pid(self) -> int:
-        """The spawned engine-core child (not multiprocessing's resource tracker)."""
+        """The spawned engine-core child (not multiprocessing's resource tracker, nor a tensor-parallel rank:
+        those are spawned by the core, one level further down)."""
         import psutil
 
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        for child in psutil.Process(self.proc.pid).children():
             if any("spawn_main" in part for part in child.cmdline()):
                 return child.pid
         raise AssertionError("no engine-core child process found")
+
+    def tp_ranks(self) -> list[Any]:
+        """The engine core's tensor-parallel rank processes (`multiproc`: spawned children of the core), as
+        psutil.Process objects."""
+        import psutil
+
+        core = psutil.Process(self.engine_core_pid())
+        return [p for p in core.children() if any("spawn_main" in part for part in p.cmdline())]
 
 
 def free_port() -> int:

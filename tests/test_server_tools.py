@@ -162,6 +162,26 @@ def test_tools_are_rendered_by_the_chat_template(client: openai.OpenAI) -> None:
     assert _chat(client, max_tokens=1).usage.prompt_tokens == len(base)
 
 
+def test_tokenize_with_tools_counts_what_chat_renders(server: LiveServer, client: openai.OpenAI) -> None:
+    """/tokenize with messages and tools: the tokens chat completions runs (and transformers renders)."""
+    tok = make_tokenizer()
+    rendered = tok.apply_chat_template(ASK, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    reference = list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "input_ids")
+                     else rendered)
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": ASK, "tools": TOOLS}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == reference
+    assert r.json()["count"] == _chat(client, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    # A tool turn and the assistant's call go through the same rendering as chat's (tool_call_id, arguments).
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(CALL["arguments"])}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": turns, "tools": TOOLS}, timeout=60).json()
+    assert counted["count"] == _chat(client, messages=turns, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    bad = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "tools": TOOLS}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
 def test_tool_results_round_trip_through_the_template(client: openai.OpenAI) -> None:
     first = _chat(client, tools=TOOLS).choices[0].message
     call = (first.tool_calls or [])[0]
@@ -311,8 +331,8 @@ def test_parser_settings_from_flags_over_the_config_section() -> None:
     assert parsing.tool_parser.__name__ == "HermesToolParser"
     with pytest.raises(ValueError, match="available: .*hermes.*llama3_json.*mistral.*pythonic"):
         ChatParsing.from_settings(SimpleNamespace(tool_call_parser="hermez"), None)
-    with pytest.raises(ValueError, match="needs --tool-call-parser"):
-        ChatParsing.from_settings(SimpleNamespace(enable_auto_tool_choice=True), None)
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):  # and the template implies none
+        ChatParsing.from_settings(SimpleNamespace(enable_auto_tool_choice=True), None).for_model("{{ messages }}")
     with pytest.raises(ValueError, match="tool_call_parsr"):  # the section's keys are checked too
         ChatParsing.from_settings(None, {"tool_call_parsr": "hermes"})
 

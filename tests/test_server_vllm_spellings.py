@@ -81,3 +81,28 @@ def test_metrics_also_under_vllm_names(server: LiveServer) -> None:
         theirs = [line for line in text.splitlines() if line.startswith(f"vllm:{name}")]
         assert ours and [line.replace("pagedllm:", "vllm:", 1) for line in ours] == theirs, name
     assert "# TYPE vllm:num_requests_running gauge" in text
+
+
+def test_docs_are_served_without_a_cdn(server: LiveServer) -> None:
+    """/docs and /redoc reference no other host, and every asset they reference is served here (200)."""
+    import re
+    from urllib.parse import urljoin, urlparse
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for page in ("/docs", "/redoc"):
+        r = httpx.get(f"{server.url}{page}", headers=headers, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (page, r.text[:300])
+        assert not re.findall(r"https?://", r.text), (page, re.findall(r"https?://\S+", r.text))
+        # src= / href= attributes and the spec URL the page's script loads (url: '...', spec-url="...").
+        refs = re.findall(r"""(?:src|href|spec-url)=["']([^"']+)["']|url: ?'([^']+)'""", r.text)
+        paths = {a or b for a, b in refs}
+        assert any(p.endswith(".js") for p in paths) and "/openapi.json" in paths, paths
+        for path in paths:
+            url = urljoin(f"{server.url}{page}", path)
+            assert urlparse(url).netloc == urlparse(server.url).netloc, url
+            asset = httpx.get(url, headers=headers, timeout=30)
+            assert asset.status_code == 200 and asset.content, (url, asset.status_code)
+    bundle = httpx.get(f"{server.url}/docs/assets/swagger-ui-bundle.js", headers=headers, timeout=30)
+    assert "SwaggerUIBundle" in bundle.text
+    # The docs and their assets are behind the API key like every other route but the probes.
+    assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 401

@@ -223,6 +223,23 @@ def test_async_scheduling_fills_grammar_masks_in_the_runner(model_dir: str, llm:
     pipelined.engine.shutdown()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_pipelined_grammar_steps_equal_one_rank(model_dir: str, llm: LLM) -> None:
+    """With tp = 2 and async scheduling, rank 0 fills the deferred masks and the remote rank receives none
+    (it samples nothing): tokens equal the single-rank synchronous engine's."""
+    prompts = ["x", "Describe a user as JSON:", "Free text here"]
+    params = [_json(PERSON), _json(ITEMS), SamplingParams(temperature=0.0, max_tokens=16)]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    tp = LLM(model_dir, block_size=4, tensor_parallel_size=2, async_scheduling=True,
+             structured_outputs_config={"disable_any_whitespace": True})
+    assert tp.engine.core._pipelined_grammars
+    outs = tp.generate(prompts, params, use_tqdm=False)
+    tp.engine.shutdown()
+    assert _ids(outs) == _ids(expected)
+    _assert_valid_json(outs[0].outputs[0], PERSON)
+    _assert_valid_json(outs[1].outputs[0], ITEMS)
+
+
 def test_grammar_that_cannot_finish_ends_with_length(llm: LLM) -> None:
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40}}, "required": ["s"]}
     out = llm.generate(["x"], _json(schema, max_tokens=6), use_tqdm=False)[0].outputs[0]

@@ -46,6 +46,8 @@ ADDED = {
     PluginKind.TOOL_PARSER: ("extract_tool_calls", "extract_tool_calls_streaming"),  # added later too
     PluginKind.REASONING_PARSER: ("extract_reasoning_content", "extract_reasoning_content_streaming"),
     PluginKind.STRUCTURED_OUTPUT: ("validate", "compile", "make_grammar"),  # a backend class
+    PluginKind.KV_CONNECTOR: ("on_device_evict", "get_num_new_matched_tokens", "update_state_after_alloc",
+                              "build_connector_meta", "stats", "register_kv_caches", "start_load_kv"),
 }
 # Methods the protocols define but mark @optional, which the hand list had left out for that reason: the
 # engine asks for execute_pipelined with getattr, never calls a loader class's check() (selection runs the

@@ -13,7 +13,7 @@ each kind's check() receives (`SchedulerCheckContext`, ...; the table in pagedll
 Implementation modules, imported when a component is used, take the rest from the submodules:
 
     pagedllm.api.attention     attention backends: per-step metadata, layer config
-    pagedllm.api.kv            KV managers: block pool, blocks, single-type manager base
+    pagedllm.api.kv            KV managers: block pool, blocks, single-type manager base; KV connectors
     pagedllm.api.sched         schedulers: bookkeeping base, requests, step messages
     pagedllm.api.model         model architectures: build context, layers, decoder blocks, weight loading
     pagedllm.api.quantization  quantization methods: the unquantized fallback, weight helpers
@@ -36,6 +36,7 @@ from pagedllm.hookspecs import (
     RegisterCommand,
     RegisterEntrypoint,
     RegisterExecutor,
+    RegisterKVConnector,
     RegisterKVManager,
     RegisterLoader,
     RegisterLogitsProcessor,
@@ -48,11 +49,19 @@ from pagedllm.hookspecs import (
     RegisterToolParser,
     hookimpl,
 )
-from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from pagedllm.kv_cache.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SinkSlidingWindowSpec,
+    SlidingWindowSpec,
+)
 from pagedllm.plugin_spec import ComponentSpec, PluginKind
 from pagedllm.selection_context import (
     AttentionSelectionContext,
     ExecutorCheckContext,
+    KVConnectorCheckContext,
     KVManagerCheckContext,
     LoaderCheckContext,
     ProposerCheckContext,
@@ -66,7 +75,7 @@ from pagedllm.selection_context import (
 # name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
 # removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
 # PAGEDLLM_PLUGIN_API = ">=1,<2" (integer clauses compare the major), or a minor they need: ">=1.1,<2".
-API_VERSION = "1.3.0"
+API_VERSION = "1.4.0"
 PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
 
 __all__ = [
@@ -78,6 +87,7 @@ __all__ = [
     "ExecutorCheckContext",
     "FullAttentionSpec",
     "KVCacheSpec",
+    "KVConnectorCheckContext",
     "KVManagerCheckContext",
     "LoaderCheckContext",
     "MambaSpec",
@@ -89,6 +99,7 @@ __all__ = [
     "RegisterCommand",
     "RegisterEntrypoint",
     "RegisterExecutor",
+    "RegisterKVConnector",
     "RegisterKVManager",
     "RegisterLoader",
     "RegisterLogitsProcessor",
@@ -101,6 +112,7 @@ __all__ = [
     "RegisterToolParser",
     "SchedulerCheckContext",
     "StructuredOutputCheckContext",
+    "SinkSlidingWindowSpec",
     "SlidingWindowSpec",
     "hookimpl",
 ]

@@ -14,29 +14,42 @@ from pagedllm.engine.async_llm import (
     RequestTimeoutError,
     RequestValidationError,
 )
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchSequence, beam_search_async
 from pagedllm.engine.builder import build_engine, resolve_device
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.engine_info import EngineInfo
+from pagedllm.engine.engine_watch import EngineSnapshot, RequestTimeline, StepRecord
 from pagedllm.engine.llm import LLM
+from pagedllm.engine.output_processor import IterationStats
+from pagedllm.kv_cache.pool_snapshot import KVPoolSnapshot
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.plugin_manager import get_plugin_manager
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "AdmissionLimits",
     "EngineInfo",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "EngineConfig",
     "EngineCore",
     "EngineDeadError",
+    "EngineSnapshot",
+    "IterationStats",
+    "KVPoolSnapshot",
     "LLM",
     "Logprob",
     "QueueFullError",
     "RequestOutput",
+    "RequestTimeline",
     "RequestTimeoutError",
     "RequestValidationError",
     "SamplingParams",
+    "StepRecord",
     "StructuredOutputsParams",
+    "beam_search_async",
     "build_engine",
     "get_plugin_manager",
     "resolve_device",

@@ -39,9 +39,12 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--speculative-draft-model": ("speculative.draft_model", str, "draft model folder (method draft)"),
     "--prompt-lookup-min": ("speculative.prompt_lookup_min", int, "ngram: shortest n-gram looked up"),
     "--prompt-lookup-max": ("speculative.prompt_lookup_max", int, "ngram: longest n-gram looked up"),
-    "--tensor-parallel-size": ("parallel.tensor_parallel_size", int, "ranks (processes) per replica"),
+    "--tensor-parallel-size": ("parallel.tensor_parallel_size", int, "ranks (processes) per pipeline stage"),
+    "--pipeline-parallel-size": ("parallel.pipeline_parallel_size", int, "pipeline stages (layer ranges) per replica"),
     "--data-parallel-size": ("parallel.data_parallel_size", int, "engine replicas (on Ray)"),
     "--distributed-executor-backend": ("parallel.executor", str, "executor plugin (uniproc, multiproc, ray)"),
+    "--otlp-traces-endpoint": ("observability.otlp_traces_endpoint", str,
+                               "OTLP collector for request traces (needs pagedllm[tracing])"),
 }
 
 

@@ -39,6 +39,8 @@ class ServeOptions:
     enable_auto_tool_choice: bool | None = None
     # A chat template replacing the model's own (vLLM's --chat-template): the template text itself.
     chat_template: str | None = None
+    # The web chat and engine dashboard at / (an entrypoint's own); False: --no-ui; None: its config decides.
+    ui: bool | None = None
 
 
 def add_parser(sub: Any) -> None:
@@ -67,6 +69,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a chat template replacing the model's own: a file path, or the Jinja text itself")
     g.add_argument("--entrypoint", default=DEFAULT_ENTRYPOINT, help="entrypoint plugin name")
+    g.add_argument("--no-ui", dest="ui", action="store_false", default=None,
+                   help="do not serve the web chat and engine dashboard at / (sets plugins.openai.ui=false)")
     g.add_argument("--tool-call-parser", default=None,
                    help="tool parser plugin turning model output into tool_calls (hermes, llama3_json, mistral, "
                    "pythonic, or any installed one)")
@@ -153,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         chat_template=chat_template,
+        ui=args.ui,
     )
     return int(serve(config, options) or 0)
 

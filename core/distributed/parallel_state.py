@@ -1,4 +1,4 @@
-"""This process's place in a tensor-parallel group: rank, size and the torch.distributed group.
+"""This process's place in the model-parallel groups: tensor-parallel and pipeline-parallel rank and size.
 
 One engine replica with tensor_parallel_size N runs N processes, one per rank; every rank holds 1/N of each
 sharded weight and of each KV head set, and the ranks meet in collectives after row-parallel layers and the
@@ -12,6 +12,11 @@ a shared host's GPUs out of service, and the all-reduces of a replica this size 
 NOTE 2: one process holds at most one tensor-parallel group (the default group), so an engine with tp > 1
 owns its process's torch.distributed state; `destroy_tensor_parallel` hands it back when the engine stops.
 When no group was initialised the process is rank 0 of 1 and every collective is the identity.
+
+NOTE 4 (pipeline parallelism): with pipeline_parallel_size P the world is P stages of tp_size ranks each,
+numbered stage-major as in vLLM: global rank = pp_rank * tp_size + tp_rank. Each stage's ranks form their
+own tensor-parallel subgroup (the layers' all-reduces stay inside a stage); rank (s, t) sends its stage's
+output to (s + 1, t). At P = 1 the tensor-parallel group is the default group, exactly as before.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,11 +40,26 @@ DEFAULT_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class ParallelState:
-    """The tensor-parallel coordinates of this process."""
+    """The tensor- and pipeline-parallel coordinates of this process (NOTE 4)."""
 
     tp_rank: int = 0
     tp_size: int = 1
-    backend: str | None = None  # None: no process group (tp_size 1)
+    backend: str | None = None  # None: no process group (world size 1)
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None  # this stage's subgroup; None: the default group (pp_size 1)
+
+    @property
+    def rank(self) -> int:
+        """The global rank (NOTE 4)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.tp_size
+
+    def global_rank(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
 
 
 _STATE = ParallelState()
@@ -57,6 +78,14 @@ def get_tp_size() -> int:
     return _STATE.tp_size
 
 
+def get_pp_rank() -> int:
+    return _STATE.pp_rank
+
+
+def get_pp_size() -> int:
+    return _STATE.pp_size
+
+
 def default_backend(device: torch.device | str) -> str:
     """NCCL for CUDA ranks, gloo otherwise."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -71,17 +100,22 @@ def init_tensor_parallel(
     backend: str | None = None,
     device: torch.device | str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    pipeline_parallel_size: int = 1,
 ) -> ParallelState:
-    """Join the tensor-parallel group; blocks until all `world_size` ranks have joined.
+    """Join the model-parallel group; blocks until all `world_size` ranks have joined.
 
     Arguments left out come from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-    A world size of 1 creates no process group.
+    A world size of 1 creates no process group. `world_size` counts every rank: tp_size x
+    `pipeline_parallel_size` (NOTE 4).
     """
     global _STATE
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    pp = pipeline_parallel_size
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"tensor parallel: rank {rank} is not in a group of {world_size}")
+    if pp < 1 or world_size % pp:
+        raise ValueError(f"pipeline parallel: {pp} stages do not divide a world of {world_size} ranks")
     if world_size == 1:
         _STATE = ParallelState()
         return _STATE
@@ -103,7 +137,15 @@ def init_tensor_parallel(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    _STATE = ParallelState(rank, world_size, backend)
+    tp_size = world_size // pp
+    tp_group = None
+    if pp > 1:
+        # Every rank creates every stage's subgroup, in the same order (torch.distributed's rule for new_group).
+        for stage in range(pp):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), backend=backend)
+            if stage == rank // tp_size:
+                tp_group = group
+    _STATE = ParallelState(rank % tp_size, tp_size, backend, rank // tp_size, pp, tp_group)
     return _STATE
 
 
@@ -118,7 +160,7 @@ def destroy_tensor_parallel(timeout_s: float = 30.0) -> None:
     background and this process stays in the group (a warning says so), rather than hang the caller.
     """
     global _STATE
-    if _STATE.tp_size > 1 and dist.is_initialized():
+    if _STATE.world_size > 1 and dist.is_initialized():
         done = threading.Event()
 
         def destroy() -> None:

@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
 from pagedllm.engine.admission import AdmissionLimits, resolve_max_waiting
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.engine_watch import EngineSnapshot
 from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder, RequestValidationError
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.serialization import Outputs, Ready
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
@@ -41,6 +42,7 @@ from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
 from pagedllm.structured_output.selection import structured_outputs_check
+from pagedllm.tracing import make_request_tracer
 
 logger = logging.getLogger("pagedllm")
 
@@ -82,6 +84,8 @@ class AsyncLLM:
         # Validated here too, so a bad plugin section fails before the engine-core process is spawned.
         self.pm.load_config(config)
         self.model_name = served_model_name or config.model or DEFAULT_MODEL_ALIAS
+        # First: a missing OpenTelemetry install fails before anything is loaded or spawned.
+        tracer = make_request_tracer(config.observability.otlp_traces_endpoint, self.model_name)
         model_ref = resolve_model_reference(config.model)
         # The same loader plugin the core uses, but only for config and tokenizer: no weights here.
         loader = select_loader(self.pm, config, model_ref).load()()
@@ -89,7 +93,7 @@ class AsyncLLM:
         self.tokenizer = self.model_info.tokenizer
         # A chat template replacing the model's own for every request (vLLM's --chat-template); None: the model's.
         self.chat_template: str | None = None
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, tracer)
         self.client = EngineCoreClient(config, self._on_outputs, self._on_death)
         self.limits = limits or AdmissionLimits()
         self.max_waiting: int | None = None  # resolved once the core has said its KV capacity
@@ -98,8 +102,13 @@ class AsyncLLM:
         self.death_listeners: list[Callable[[str], None]] = []
         self.stats = SchedulerStats()
         self.stats_time = 0.0
+        # The core's latest dashboard snapshot (engine_watch.py), while watch_engine() asked for them.
+        self.snapshot: EngineSnapshot | None = None
+        self._watch_interval = 0.0
         # Called with the final cumulative RequestOutput of every request (finished, aborted or failed).
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []
+        # Called after each engine-core step that produced outputs, with its tokens (vllm:iteration_tokens_total).
+        self.iteration_listeners: list[Callable[[IterationStats], None]] = []
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._ready: Ready | None = None
@@ -129,7 +138,17 @@ class AsyncLLM:
         self.client = EngineCoreClient(self.config, self._on_outputs, self._on_death)
         self._ready = await self.client.start()
         self.restarts += 1
+        if self._watch_interval:  # a dashboard was watching the core that died: the new one is watched too
+            self.client.watch(self._watch_interval)
         return self._ready
+
+    def watch_engine(self, interval_s: float) -> None:
+        """Have the core attach an EngineSnapshot to its outputs at most every `interval_s` (kept in
+        `snapshot`); 0 stops it, and the core then records nothing for it (engine_watch.py)."""
+        self._watch_interval = interval_s
+        if not interval_s:
+            self.snapshot = None
+        self.client.watch(interval_s)
 
     async def shutdown(self) -> None:
         if self._ready is not None and not self.client._closed:
@@ -137,6 +156,8 @@ class AsyncLLM:
         # Nothing may wait on a core that is going away: pending requests end now, with a clear error.
         self.fail_all(lambda: EngineDeadError("the engine core was shut down"))
         await self.client.shutdown()
+        if self.processor.tracer is not None:
+            self.processor.tracer.shutdown()  # what is still batched goes out now
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> int:
         """End every pending request with a fresh `make_error()` (raised from its generate(); one object per
@@ -228,8 +249,10 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         prompt_param: str = "prompt",
+        trace_headers: Mapping[str, str] | None = None,
     ) -> _Stream:
-        """Tokenize, validate and queue; raises at once (RequestValidationError, QueueFullError, EngineDeadError)."""
+        """Tokenize, validate and queue; raises at once (RequestValidationError, QueueFullError, EngineDeadError).
+        `trace_headers` (W3C traceparent / tracestate) make the request's trace a child of the caller's."""
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
         bound = self.max_waiting
@@ -242,7 +265,8 @@ class AsyncLLM:
         )
         num_samples = len(prepared.samples)
         self.processor.add_request(
-            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.samples, prepared.arrival_time
+            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.samples, prepared.arrival_time,
+            trace_headers=trace_headers,
         )
         state = self.processor.requests[request_id]
         stream = _Stream(request_id, sorted(state.samples.values(), key=lambda s: s.index))
@@ -262,12 +286,12 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, priority: int = 0,
-        prompt_param: str = "prompt",
+        prompt_param: str = "prompt", trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas until it finishes. Errors (validation, queue full, engine dead) are raised
         on the first iteration; a failed request raises EngineDeadError or ends with `error` set."""
         rid = request_id or f"req-{next(self._ids)}"
-        stream = self.add_request(rid, prompt, params, priority, prompt_param)
+        stream = self.add_request(rid, prompt, params, priority, prompt_param, trace_headers)
         timeout = self.limits.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
@@ -321,11 +345,18 @@ class AsyncLLM:
     def _on_outputs(self, msg: Outputs) -> None:
         if msg.stats is not None:
             self.stats, self.stats_time = msg.stats, time.monotonic()
+        if msg.snapshot is not None and self._watch_interval:
+            self.snapshot = msg.snapshot
         if not msg.outputs:
             return
         outputs, to_abort = self.processor.process(msg.outputs)
         if to_abort:  # stop strings found here end sequences the core still runs
             self.client.abort(to_abort)
+        for iteration_listener in self.iteration_listeners:
+            try:
+                iteration_listener(self.processor.last_iteration)
+            except Exception:  # metrics must never break serving
+                logger.exception("iteration listener failed")
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -345,6 +376,7 @@ class AsyncLLM:
                 self._notify_finished(out)
         self._streams.clear()
         self.stats, self.stats_time = SchedulerStats(), time.monotonic()
+        self.snapshot = None
         for listener in self.death_listeners:
             try:
                 listener(reason)

@@ -22,11 +22,13 @@ import torch
 
 from pagedllm.config import EngineConfig, plugin_section, validate_plugin_sections
 from pagedllm.default_model import resolve_model_reference
-from pagedllm.distributed.communication import tp_min
+from pagedllm.distributed.communication import world_all_equal, world_min
+from pagedllm.distributed.pp_partition import check_pipeline_parallel
 from pagedllm.distributed.shard_check import check_tensor_parallel
 from pagedllm.engine.runner_plugins import RunnerPlugins, TargetFacts, build_runner_plugins
 from pagedllm.engine.thread_load import check_thread_load
 from pagedllm.kv_cache.capacity import KVCapacity
+from pagedllm.kv_cache.connector_setup import block_axis_of, build_kv_connector
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pagedllm.kv_cache.layout import KVCacheLayout, bind_kv_groups
 from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -73,6 +75,7 @@ class EngineParts:
     startup_phases: dict[str, float] = field(default_factory=dict)
     # The config's logits processors, in the runner's sampler (runner_plugins.py); rank 0 only.
     logits_processors: list[Any] = field(default_factory=list)
+    pipeline_split: str | None = None  # which layers each pipeline stage holds, and why (pp_partition.py)
 
     def describe(self) -> str:
         lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
@@ -81,6 +84,8 @@ class EngineParts:
             f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens = "
             f"{self.num_blocks * self.block_size} token slots; max_model_len {self.max_model_len}"
         )
+        if self.pipeline_split is not None:
+            lines.append(self.pipeline_split)
         if self.capacity is not None:
             lines.append(self.capacity.describe(self.max_model_len))
         if self.startup_phases:
@@ -121,13 +126,16 @@ def build_engine(
     pm = pm or get_plugin_manager()
     parallel = config.parallel
     speculative = getattr(getattr(config, "speculative", None), "method", None)
-    if speculative and parallel.tensor_parallel_size > 1:
+    if speculative and parallel.world_size > 1:
         # The proposer and the verification live in rank 0's runner only; the other ranks would run a
         # different batch and their collectives would never match.
+        key = "tensor_parallel_size" if parallel.tensor_parallel_size > 1 else "pipeline_parallel_size"
         raise ValueError(
-            f"speculative.method '{speculative}' with parallel.tensor_parallel_size "
-            f"{parallel.tensor_parallel_size} is not supported (speculation runs on one rank)"
+            f"speculative.method '{speculative}' with parallel.{key} {getattr(parallel, key)} is not supported "
+            "(speculation runs on one rank)"
         )
+    if parallel.pipeline_parallel_size > 1:
+        _check_pipeline_split(config, pm)  # before any rank starts: a bad split fails here, in seconds
     sel = select(pm, PluginKind.EXECUTOR, parallel, requested=parallel.executor)
     executor = sel.load()(ExecutorContext(config))
     try:
@@ -142,24 +150,48 @@ def build_engine(
     return parts
 
 
+def _check_pipeline_split(config: EngineConfig, pm: PluginManager, source: _ModelSource | None = None) -> str | None:
+    """Raise ValueError naming the key when the model cannot be split into the configured pipeline stages
+    (too few layers, a partition that does not add up, an architecture that builds every layer on every
+    rank); else the split's description (distributed/pp_partition.py). Reads the model's config only."""
+    parallel = config.parallel
+    source = source or _load_model_info(config, pm)
+    split = check_pipeline_parallel(source.info.hf_config, parallel.pipeline_parallel_size,
+                                    parallel.pp_layer_partition)
+    if split is None:
+        return None
+    model_sel = _select_architecture(pm, list(getattr(source.info.hf_config, "architectures", None) or []))
+    model_cls = model_sel.load()
+    if not getattr(model_cls, "supports_pipeline_parallel", False):
+        raise ValueError(
+            f"parallel.pipeline_parallel_size {parallel.pipeline_parallel_size}: model {model_sel.winner.name} "
+            f"({model_cls.__name__}) builds every layer on every rank (it does not declare "
+            "supports_pipeline_parallel)"
+        )
+    return split
+
+
 def build_engine_parts(
     config: EngineConfig,
     pm: PluginManager | None = None,
     *,
     tp_rank: int = 0,
+    pp_rank: int = 0,
     plugin_sections: Mapping[str, Any] | None = None,
 ) -> EngineParts:
     """One rank's engine: model shard, KV cache, runner (and the scheduler, used on rank 0 only).
 
     Every rank runs this same build so shapes, block counts and captured graphs agree; a process with
-    tensor_parallel_size > 1 must have joined the group first (pagedllm.distributed.parallel_state).
-    Rank 0's runner is built with the runner plugins (logits processors, speculator: runner_plugins.py).
+    tensor_parallel_size or pipeline_parallel_size > 1 must have joined the group first
+    (pagedllm.distributed.parallel_state). `pp_rank` is the pipeline stage: its model holds its layers only
+    (distributed/pp_partition.py). The sampling rank's runner (tensor-parallel rank 0 of the last stage) is
+    built with the runner plugins (logits processors, speculator: runner_plugins.py).
     """
     clock = _PhaseClock()  # the first phase includes plugin selection and reading the model config
     pm = pm or get_plugin_manager()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    if tp_rank == 0 and (config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())):
+    if tp_rank == 0 and pp_rank == 0 and (config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())):
         overloaded = check_thread_load(torch.get_num_threads())  # thread_load.py: why a busy machine matters
         if overloaded:
             logger.warning(overloaded)
@@ -168,24 +200,33 @@ def build_engine_parts(
     if plugin_sections is None:
         plugin_sections = validate_plugin_sections(config, pm.config_models())
     source = _load_model_info(config, pm)
+    split = _check_pipeline_split(config, pm, source) if config.parallel.pipeline_parallel_size > 1 else None
     comps = _select_components(config, pm, source, tp_size, plugin_sections)
-    model = _build_and_load_model(config, source, comps, tp_rank, tp_size)
+    model = _build_and_load_model(config, source, comps, tp_rank, tp_size, pp_rank)
     clock("model and weights")
-    kv = _plan_kv_cache(config, pm, model, comps, source.trained_len, tp_size)
+    kv = _plan_kv_cache(config, pm, model, comps, source.trained_len)
     scheduler, scheduler_sel = _build_scheduler(config, pm, kv, comps.block_size)
     clock("KV cache sizing and allocation")
-    plugins = _build_runner_plugins(config, pm, source, comps, kv, tp_rank, plugin_sections)
+    sampling_rank = tp_rank == 0 and pp_rank == config.parallel.pipeline_parallel_size - 1
+    plugins = _build_runner_plugins(config, pm, source, comps, kv, sampling_rank, plugin_sections)
     if plugins.speculator is not None:
         clock("speculative proposer")  # a draft model is a whole second engine (runner_plugins.py NOTE)
-    runner = _build_runner(config, model, source, comps, kv, plugins, tp_rank, tp_size)
+    runner = _build_runner(config, model, source, comps, kv, plugins, tp_rank, tp_size, pp_rank)
+    connector_sel = build_kv_connector(
+        config, pm, plugin_sections, model=source.model_ref, kv_manager=kv.manager, scheduler=scheduler, runner=runner,
+        kv_caches=kv.kv_caches, block_axis=block_axis_of(comps.backend), device=comps.device,
+    ) if config.kv_transfer.kv_connector is not None else None
     _start_up(config, runner, comps.device, clock)
     selections = {
         **source.selections, **comps.selections, **kv.selections, "scheduler": scheduler_sel, **plugins.selections
     }
+    if connector_sel is not None:
+        selections["kv_connector"] = connector_sel
     parts = EngineParts(
         config, source.model_ref, source.info, model, runner, scheduler, kv.manager, kv.max_model_len,
         kv.num_blocks, comps.block_size, comps.device, comps.dtype, selections, clock.elapsed(), tp_size=tp_size,
         capacity=kv.capacity, startup_phases=clock.phases, logits_processors=plugins.logits_processors,
+        pipeline_split=split,
     )
     logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
     return parts
@@ -260,7 +301,7 @@ def _select_components(
     model_cls = model_sel.load()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    attention_sel = _select_attention(config, pm, hf_config, device, dtype)
+    attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype)
     backend = attention_sel.load()
     configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
     if configure is not None:
@@ -301,7 +342,8 @@ def _kernel_options(config: EngineConfig, quant_config: Any, device: torch.devic
 
 
 def _select_attention(
-    config: EngineConfig, pm: PluginManager, hf_config: Any, device: torch.device, dtype: torch.dtype
+    config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
+    dtype: torch.dtype,
 ) -> Selection:
     num_attention_heads = getattr(hf_config, "num_attention_heads", None)
     if num_attention_heads:
@@ -319,6 +361,8 @@ def _select_attention(
         block_size=config.kv_cache.block_size,
         sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),
         logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
+        # A model class with learned attention sinks says so (CausalLM's optional `attention_sinks`).
+        sinks=bool(getattr(model_cls, "attention_sinks", False)),
         # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
         cuda_graphs=device.type == "cuda" and not config.enforce_eager,
     )
@@ -350,15 +394,23 @@ def _select_quantization(
 
 
 def _build_and_load_model(
-    config: EngineConfig, source: _ModelSource, comps: _Components, tp_rank: int, tp_size: int
+    config: EngineConfig, source: _ModelSource, comps: _Components, tp_rank: int, tp_size: int, pp_rank: int = 0
 ) -> Any:
     """Stage 3: the model built on its device with its kernels chosen (the build context), its weights loaded."""
+    parallel = config.parallel
+    partition = tuple(parallel.pp_layer_partition) if parallel.pp_layer_partition else None
     ctx = ModelBuildContext(
         source.info.hf_config, comps.dtype, comps.device, comps.backend, comps.quant_config, comps.block_size,
         tp_rank, tp_size, kernels=comps.kernels, dense_config=comps.dense_config,
+        pp_rank=pp_rank, pp_size=parallel.pipeline_parallel_size, pp_layer_partition=partition,
     )
     model = _build_model(comps.model_cls, ctx)
     load_shard = getattr(source.loader, "load_shard", None)  # ModelLoader's optional member
+    if load_shard is not None and parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"loader {config.loader.name or 'sharded_state'!r}: its shards are per tensor-parallel rank of the whole "
+            f"model; parallel.pipeline_parallel_size {parallel.pipeline_parallel_size} needs a whole checkpoint"
+        )
     if load_shard is not None:
         load_shard(model, source.model_ref, source.info, tp_rank, tp_size)
     else:
@@ -400,7 +452,7 @@ class _KVPlan:
 
 
 def _plan_kv_cache(
-    config: EngineConfig, pm: PluginManager, model: Any, comps: _Components, trained: int | None, tp_size: int
+    config: EngineConfig, pm: PluginManager, model: Any, comps: _Components, trained: int | None
 ) -> _KVPlan:
     specs, layout = _kv_layout(config, model)
     groups = layout.groups
@@ -416,7 +468,9 @@ def _plan_kv_cache(
         model, comps.backend, specs, group_block_sizes[0], config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs, comps.device, group_block_sizes,
         config.max_model_len or trained, compile_ahead=config.compile_ahead))
-    num_blocks = tp_min(num_blocks, tp_size)  # every rank must hold the same blocks (GPU memory may differ)
+    _check_stage_layouts(config, layout)
+    # Every rank must hold the same blocks (GPU memory may differ; a pipeline stage's layers differ too).
+    num_blocks = world_min(num_blocks)
     model_max = config.max_model_len or trained or 2048
     # A request alone must always fit in the cache, or it could wait forever. Window-aware: a sliding-window
     # group holds a bounded number of blocks per request whatever its length (kv_cache/capacity.py).
@@ -436,6 +490,21 @@ def _plan_kv_cache(
         max_model_len=max_model_len,
     )
     return _KVPlan(specs, layout, num_blocks, max_model_len, capacity, kv_caches, manager, selections)
+
+
+def _check_stage_layouts(config: EngineConfig, layout: KVCacheLayout) -> None:
+    """Pipeline stages hold different layers, but the scheduler's block tables (from stage 0's layout) address
+    every stage's cache: each stage's KV groups must be the same (a model whose layer types change from one
+    stage to the next is refused, with the groups named)."""
+    if config.parallel.pipeline_parallel_size == 1:
+        return
+    groups = [repr(g.spec) for g in layout.groups]
+    if not world_all_equal(groups):
+        raise ValueError(
+            f"parallel.pipeline_parallel_size {config.parallel.pipeline_parallel_size}: the stages' KV-cache "
+            f"groups differ (this stage: {groups}); split at layers where the layer types match "
+            "(parallel.pp_layer_partition)"
+        )
 
 
 def _kv_layout(config: EngineConfig, model: Any) -> tuple[list[KVCacheSpec], KVCacheLayout]:
@@ -470,11 +539,12 @@ def _build_runner_plugins(
     source: _ModelSource,
     comps: _Components,
     kv: _KVPlan,
-    tp_rank: int,
+    sampling_rank: bool,
     plugin_sections: Mapping[str, Any],
 ) -> RunnerPlugins:
-    """Stage 6: rank 0's logits processors and speculator (runner_plugins.py); a plain sampler elsewhere."""
-    if tp_rank != 0:
+    """Stage 6: the sampling rank's logits processors and speculator (runner_plugins.py); a plain sampler
+    elsewhere. The sampling rank is tensor-parallel rank 0 of the last pipeline stage (rank 0 without pp)."""
+    if not sampling_rank:
         return RunnerPlugins(Sampler())
     target = TargetFacts(
         comps.device, comps.dtype, int(source.info.hf_config.vocab_size), kv.max_model_len, comps.block_size,
@@ -492,13 +562,16 @@ def _build_runner(
     plugins: RunnerPlugins,
     tp_rank: int,
     tp_size: int,
+    pp_rank: int = 0,
 ) -> ModelRunner:
     """Stage 7: the model runner, whole: its buffers, sampler and speculator fixed at construction."""
+    pp_size = config.parallel.pipeline_parallel_size
     options = GPURunnerOptions(
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_tokens=config.scheduler.max_num_batched_tokens,
         max_model_len=kv.max_model_len,
-        cuda_graphs=not config.enforce_eager,
+        # NOTE: no decode graphs between pipeline stages yet: a graph would have to capture the send/recv.
+        cuda_graphs=not config.enforce_eager and pp_size == 1,
         graph_batch_sizes=tuple(config.cuda_graph_sizes) if config.cuda_graph_sizes else None,
         # Speculative verification steps (k drafts + 1 per request) replay graphs of their own.
         uniform_query_lens=(config.speculative.num_speculative_tokens + 1,) if config.speculative.method else (),
@@ -508,12 +581,16 @@ def _build_runner(
     return ModelRunner(
         model, comps.backend, kv.kv_caches, block_sizes[0], comps.device, source.info.hf_config.vocab_size,
         options, block_sizes, tp_rank=tp_rank, tp_size=tp_size, sampler=plugins.sampler,
-        speculator=plugins.speculator,
+        speculator=plugins.speculator, pp_rank=pp_rank, pp_size=pp_size,
     )
 
 
 def _start_up(config: EngineConfig, runner: ModelRunner, device: torch.device, clock: _PhaseClock) -> None:
     """Stage 8: Triton compiles ahead, CUDA graph capture and warm-up, each timed as its own phase."""
+    if runner.pp_size > 1:
+        # A pipeline stage's steps send to / receive from its neighbours: compile-ahead's thread pool and the
+        # warm-up's throw-away steps would have to run in lockstep on every stage (not done yet).
+        return
     if config.compile_ahead and runner.compile_ahead():  # capture's and warm-up's Triton binaries (NOTE 4 there)
         clock("Triton compiles ahead")
     if device.type == "cuda" and runner.options.cuda_graphs:

@@ -37,6 +37,7 @@ from pagedllm.engine.serialization import (
     Outputs,
     Ready,
     Shutdown,
+    Watch,
     decode_from_core,
     encode,
     make_add_request,
@@ -138,6 +139,12 @@ class EngineCoreClient:
         if request_ids and self.dead_reason is None and not self._closed:  # NOTE 1
             with contextlib.suppress(zmq.Again):  # no core: nothing left to free
                 self._push.send(encode(Abort(list(request_ids))), zmq.NOBLOCK)
+
+    def watch(self, interval_s: float) -> None:
+        """Ask the core for dashboard snapshots every `interval_s` (0: stop; engine_watch.py)."""
+        if self.dead_reason is None and not self._closed and self._reader is not None:
+            with contextlib.suppress(zmq.Again):  # no core: nothing to watch
+                self._push.send(encode(Watch(interval_s)), zmq.NOBLOCK)
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:

@@ -13,6 +13,13 @@ detokenizing stay in the API process and overlap with the model's steps there.
 NOTE(1): stats ride along with every Outputs message: KV usage after an abort must reach /metrics even when
 no step follows (the test "disconnected clients free their blocks" reads exactly that).
 NOTE(2): the process exits when its parent is gone (orphaned engines would hold memory forever).
+NOTE(3): a dashboard snapshot (engine_watch.py) rides along too, at most every `Watch.interval_s`, and only
+after a Watch asked for them; a core without `set_watching` (the data-parallel router) sends none.
+NOTE(4): a busy core finds a dead tensor-parallel rank in the step (the executor checks before sending it,
+and a collective with a dead peer fails); an idle one asks the executor every HEARTBEAT_S, so /health turns
+503 within about a second of the death, not at the next request. A step that cannot fail by itself (NCCL
+waits for a dead peer until the group timeout) is ended by the RankWatchdog (rank_watchdog.py), which the
+executor's monitor thread tells at once.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import traceback
 from typing import Any
 
 from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.engine.rank_watchdog import RankWatchdog
 from pagedllm.engine.serialization import (
     Abort,
     AddRequest,
@@ -32,10 +40,12 @@ from pagedllm.engine.serialization import (
     Outputs,
     Ready,
     Shutdown,
+    Watch,
     decode_to_core,
     encode,
     request_from_message,
 )
+from pagedllm.protocols.executor import WorkerDiedError
 
 logger = logging.getLogger("pagedllm")
 
@@ -65,13 +75,23 @@ def run_engine_core(config_dict: dict[str, Any], input_addr: str, output_addr: s
             out.send(encode(Fatal(f"engine core failed to start: {type(exc).__name__}: {exc}")))
             return
         out.send(encode(ready))
+        # NOTE(4): a rank that dies while this process is stuck in a step (NCCL) is reported by the watchdog.
+        watchdog = RankWatchdog(output_addr)
+        register = getattr(getattr(core, "executor", None), "register_failure_callback", None)
+        if register is not None:
+            register(watchdog.rank_died)
         try:
             EngineCoreLoop(core, inp, out, parent_pid).run()
+        except WorkerDiedError as exc:  # a rank's death is an event to report, not a bug here: no traceback
+            logger.error("engine core stopping: %s", exc)
+            out.send(encode(Fatal(str(exc))))
+            raise SystemExit(1) from exc
         except Exception as exc:
             logger.error("engine core crashed:\n%s", traceback.format_exc())
             out.send(encode(Fatal(f"engine core crashed: {type(exc).__name__}: {exc}")))
             raise SystemExit(1) from exc
         finally:
+            watchdog.disarm()  # Fatal is sent (or the loop stopped cleanly): the shutdown may take its time
             core.shutdown()  # tensor-parallel ranks stop with the core
     finally:
         inp.close(linger=0)
@@ -132,16 +152,22 @@ class EngineCoreLoop:
     def __init__(self, core: Any, inp: Any, out: Any, parent_pid: int) -> None:
         self.core, self.inp, self.out, self.parent_pid = core, inp, out, parent_pid
         self._pending_errors: list[EngineCoreOutput] = []
+        self.watch_interval = 0.0  # NOTE 3: 0 while nobody watches
+        self._last_snapshot = 0.0
 
     def run(self) -> None:
         import zmq
 
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
-        last_sent = 0.0
+        last_sent = last_checked = 0.0
+        check_health = getattr(self.core, "check_health", None)  # a data-parallel core checks its replicas itself
         while True:
             busy = self.core.has_unfinished_requests()
             poller.poll(0 if busy else int(HEARTBEAT_S * 1000))
+            if not busy and check_health is not None and time.monotonic() - last_checked >= HEARTBEAT_S:
+                check_health()  # NOTE(4): raises WorkerDiedError, and the core reports Fatal
+                last_checked = time.monotonic()
             changed, stop = self._drain_input()
             if stop:
                 return
@@ -150,7 +176,10 @@ class EngineCoreLoop:
                 outputs.extend(self.core.step())
             now = time.monotonic()
             if outputs or changed or now - last_sent >= HEARTBEAT_S:
-                self.out.send(encode(Outputs(outputs, self.core.get_stats(), time.time())))
+                snapshot = None
+                if self.watch_interval and now - self._last_snapshot >= self.watch_interval:  # NOTE 3
+                    snapshot, self._last_snapshot = self.core.snapshot(), now
+                self.out.send(encode(Outputs(outputs, self.core.get_stats(), time.time(), snapshot)))
                 last_sent = now
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: the API process is gone; exiting")
@@ -179,3 +208,8 @@ class EngineCoreLoop:
                 self.core.abort_requests(msg.request_ids)
             elif isinstance(msg, Shutdown):
                 return changed, True
+            elif isinstance(msg, Watch):
+                set_watching = getattr(self.core, "set_watching", None)
+                if set_watching is not None:
+                    set_watching(msg.interval_s > 0)
+                    self.watch_interval, self._last_snapshot = msg.interval_s, 0.0

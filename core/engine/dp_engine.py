@@ -26,6 +26,11 @@ def build_data_parallel_core(config: EngineConfig, pm: PluginManager) -> tuple[A
     """The executor plugin's data-parallel core, the model's info (config, tokenizer; no weights) and the
     executor selection. Shared by the offline frontend and the server's engine-core process."""
     parallel = config.parallel
+    if config.observability.otlp_traces_endpoint:
+        # Replicas may run on other hosts, whose monotonic clocks a request's timeline cannot compare with the
+        # frontend's (request.py EngineCoreEvent).
+        raise ValueError("observability.otlp_traces_endpoint: tracing is not supported with "
+                         "parallel.data_parallel_size > 1")
     selection = select(pm, PluginKind.EXECUTOR, parallel, requested=parallel.executor)
     factory = getattr(selection.load(), "data_parallel_core", None)
     if factory is None:

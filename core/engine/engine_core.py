@@ -26,6 +26,10 @@ holds N's ids and has launched N+1's forward (a DeferredBitmask: structured_outp
 grammar work overlaps the GPU as the rest of the host work does. An executor that does not declare
 `fills_deferred_masks` runs grammar steps synchronously instead.
 
+NOTE(3) pipeline parallelism (batch_queue.py). Up to pipeline_parallel_size steps are in flight, each
+holding requests whose tokens are known, so the stages work on different micro-batches at once (vLLM's
+step_with_batch_queue); the last stage's samples come back through the executor (tp_worker.py NOTE 4).
+
 Plugins that act on steps run wherever the core runs: the configured logits processors and the speculative
 proposer are built with the runner (builder.py, runner_plugins.py), the `step_stats` hook is called here.
 """
@@ -34,13 +38,16 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.engine.builder import EngineParts
+from pagedllm.engine.engine_watch import EngineSnapshot, EngineWatch
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import EngineCoreEventType, Request, RequestStatus
 from pagedllm.sched.stats import SchedulerStats
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -67,6 +74,7 @@ class EngineCore:
                                                "execute_pipelined", None)
         self._errors: list[EngineCoreOutput] = []
         self._in_flight: Any = None  # the SchedulerOutput of the launched, not yet applied step (NOTE 1)
+        self._batches: BatchQueue | None = None  # pipeline parallelism's steps in flight (NOTE 3)
         self._gc_threshold = gc.get_threshold()  # the process's, put back by shutdown()
         self._structured: StructuredOutputManager | None = None  # made with the first grammar request (NOTE 2)
         self._awaiting_grammar: dict[str, tuple[Request, Future[Any]]] = {}
@@ -74,9 +82,14 @@ class EngineCore:
         # runner or rank 0 of an executor; the rest stay synchronous.
         self._pipelined_grammars = bool(getattr(parts.executor if parts.executor is not None else parts.runner,
                                                 "fills_deferred_masks", False))
+        # The dashboard's recorder (engine_watch.py), there only while someone watches: otherwise a step pays
+        # one attribute test for it.
+        self.watch: EngineWatch | None = None
+        self._step_started = 0.0
         try:
             self._step_hook = self.pm.hook.step_stats
             self.async_scheduling = self._use_async_scheduling()
+            self._batches = self._batch_queue()  # NOTE 3
         except BaseException:
             # The executor's remote ranks (processes, Ray actors) are already running: a config refused here
             # must not leave them holding their GPUs or the cluster's resources.
@@ -102,6 +115,9 @@ class EngineCore:
         wanted = config.scheduler.async_scheduling
         why_not = (
             "speculative decoding verifies drafts against known tokens" if config.speculative.method else
+            # The last stage's samples reach the first stage with the next step's message (tp_worker.py NOTE 4).
+            "pipeline parallelism keeps its own batches in flight (NOTE 3)"
+            if config.parallel.pipeline_parallel_size > 1 else
             "the executor has no pipelined step (execute_pipelined)" if self._execute_pipelined is None else
             "the model runner has no pipelined step" if not hasattr(self.runner, "execute_pipelined") else
             f"scheduler plugin {config.scheduler.name!r} does not declare supports_async_scheduling"
@@ -120,6 +136,7 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_ERROR
             self._errors.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=problem))
             return
+        request.record_event(EngineCoreEventType.QUEUED)
         if request.sampling_params.structured_outputs is not None:
             if request.request_id in self._awaiting_grammar:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -198,6 +215,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.watch is not None:
+            self.watch.on_abort(request_ids)
         if self._structured is not None:
             for rid in request_ids:
                 entry = self._awaiting_grammar.pop(rid, None)
@@ -206,13 +225,34 @@ class EngineCore:
             self._structured.remove(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._errors) or bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+        return (bool(self._errors) or bool(self._awaiting_grammar) or self.scheduler.has_unfinished_requests()
+                or (self._batches is not None and len(self._batches) > 0))
+
+    def _batch_queue(self) -> BatchQueue | None:
+        """NOTE 3: pipeline parallelism's batches in flight; None runs one step at a time."""
+        pp = self.parts.config.parallel.pipeline_parallel_size
+        if pp == 1:
+            return None
+        why_not = ("the executor has no launch_model / collect_model" if not hasattr(self.executor, "launch_model")
+                   else f"scheduler plugin {self.parts.config.scheduler.name!r} does not declare "
+                   "supports_pipeline_batches" if not getattr(self.scheduler, "supports_pipeline_batches", False)
+                   else None)
+        if why_not:
+            logger.warning("pipeline parallelism runs one step at a time (the stages do not overlap): %s", why_not)
+            return None
+        return BatchQueue(self.executor, self.scheduler, pp)
 
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._errors = self._errors, []
+        self._step_started = time.time() if self.watch is not None else 0.0
         if self._awaiting_grammar:
             self._admit_compiled(outputs)
         grammars = self._structured is not None and bool(self._structured.grammars)
+        if self._batches is not None:  # NOTE 3
+            launched = self._batches.step(outputs, self._grammar_step, self._advance_grammars)
+            if launched is not None:
+                self._report(launched, outputs)
+            return outputs
         if self.async_scheduling and (not grammars or self._pipelined_grammars):
             return self._step_pipelined(outputs)
         if self._in_flight is not None:
@@ -227,7 +267,7 @@ class EngineCore:
         if grammars:
             self._advance_grammars(step_outputs)
         outputs.extend(step_outputs)
-        self._report(scheduler_output)
+        self._report(scheduler_output, outputs)
         return outputs
 
     def _drain_pipelined(self, outputs: list[EngineCoreOutput]) -> None:
@@ -255,10 +295,12 @@ class EngineCore:
             self._advance_grammars(step_outputs)
             outputs.extend(step_outputs)
         self._in_flight = None if scheduler_output.is_empty else scheduler_output
-        self._report(scheduler_output)
+        self._report(scheduler_output, outputs)
         return outputs
 
-    def _report(self, scheduler_output: Any) -> None:
+    def _report(self, scheduler_output: Any, outputs: list[EngineCoreOutput]) -> None:
+        if self.watch is not None:
+            self.watch.on_step(scheduler_output, self.scheduler.requests, self._step_started, outputs)
         if self._step_hook.get_hookimpls():  # stats cost a little: only gather them for a listener
             self._step_hook(
                 stats=self.scheduler.get_stats(),
@@ -268,6 +310,23 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def set_watching(self, on: bool) -> None:
+        """Start (or stop and forget) recording for the dashboard (engine_watch.py)."""
+        if not on:
+            self.watch = None
+        elif self.watch is None:
+            self.watch = EngineWatch()
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """What the dashboard shows now and since the last snapshot; None while nobody watches."""
+        return self.watch.snapshot(self.scheduler) if self.watch is not None else None
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a tensor-parallel rank is gone (the core process asks while idle: a rank
+        that dies between requests is found then, not by the next request's step)."""
+        if self.executor is not None:
+            self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the executor's remote ranks (a no-op for the in-process executor); safe to call twice."""

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, run_searches, start_search
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.sched.stats import SchedulerStats
 
 Message = dict[str, Any]
@@ -134,6 +135,47 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's LLM.beam_search): the best `params.beam_width` sequences of each prompt, best
+        first, in input order. Each step runs every prompt's live beams as one-token requests, batched together
+        (beam_search.py says how beams are ranked and share KV blocks).
+
+        Raises ValueError, before anything runs, for a prompt that leaves no room for max_tokens.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list: list[PromptType] = list(prompts)  # type: ignore[arg-type]
+        builder = self.engine.requests
+        searches = [start_search(builder, p, params) for p in prompt_list]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=params.max_tokens, desc="Beam search steps", dynamic_ncols=True)
+
+        def run_step(token_lists: list[list[int]], step_params: SamplingParams) -> list[RequestOutput]:
+            order: dict[str, int] = {}
+            try:
+                for ids in token_lists:
+                    rid = str(next(self._ids))
+                    order[rid] = len(order)
+                    self.engine.add_request(rid, {"prompt_token_ids": ids}, step_params)
+            except BaseException:
+                self.engine.abort_request(list(order))
+                raise
+            if bar is not None:
+                bar.update(1)
+            return self._run(order, use_tqdm=False)
+
+        try:
+            run_searches(searches, run_step)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [s.output(self.get_tokenizer()) for s in searches]
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

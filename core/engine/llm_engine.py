@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig, flat_overrides
+from pagedllm.default_model import DEFAULT_MODEL_ALIAS
 from pagedllm.engine.builder import EngineParts, build_engine
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder
@@ -20,6 +21,7 @@ from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.stats import SchedulerStats
 from pagedllm.structured_output.selection import structured_outputs_check
+from pagedllm.tracing import make_request_tracer
 
 
 class LLMEngine:
@@ -28,10 +30,12 @@ class LLMEngine:
         self.pm = plugin_manager or get_plugin_manager()
         # Plugin sections are validated (and `config_loaded` fires) before anything heavy is built.
         sections = self.pm.load_config(config)
+        # Before the build: a missing OpenTelemetry install fails at once, not after the model has loaded.
+        tracer = make_request_tracer(config.observability.otlp_traces_endpoint, config.model or DEFAULT_MODEL_ALIAS)
         self.parts: EngineParts = build_engine(config, self.pm, plugin_sections=sections)
         self.core = EngineCore(self.parts, self.pm)
         self.tokenizer = self.parts.info.tokenizer
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, tracer)
         self.requests = self._request_builder(ModelLimits.from_model(self.parts.info, self.parts.max_model_len))
         self._closed = False
         self.pm.hook.engine_started(engine=self)
@@ -129,6 +133,8 @@ class LLMEngine:
             self._closed = True
             self.pm.hook.engine_stopped(engine=self)
             self.core.shutdown()
+            if self.processor.tracer is not None:
+                self.processor.tracer.shutdown()  # what is still batched goes out now
             if self.parts is None:  # a data-parallel front end: the replicas hold the models
                 return
             self.parts.model = None

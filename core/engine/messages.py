@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pagedllm.request import EngineCoreEvent
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # torch-free at run time: the bitmask's module imports torch
@@ -50,6 +51,9 @@ class SchedulerOutput:
     # A pipelined step's masks instead: filled by the runner once the step before's ids are in (manager.py
     # NOTE 3).
     deferred_structured_output: DeferredBitmask | None = None
+    # A KV connector's plan for this step (saves of evicted blocks, loads of tier hits), run by the runner before
+    # the forward (protocols/kv_connector.py); None when no connector is configured.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -92,6 +96,8 @@ class EngineCoreOutput:
     # Prompt logprobs of positions [prompt_logprobs_start, + len): worker/prompt_logprobs.py.
     new_prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
     prompt_logprobs_start: int = 0
+    # What happened to the request in the core since its last output (queued, scheduled, preempted); None: nothing.
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

@@ -6,14 +6,22 @@ the request: the processor reports which requests the engine core must abort.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import EngineCoreOutput, LogprobsEntry
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from pagedllm.request import EngineCoreEvent, EngineCoreEventType
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # OpenTelemetry is imported only when a tracer is made (tracing.py)
+    from pagedllm.tracing import RequestTracer
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -45,17 +53,30 @@ class _RequestState:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # [None] + one slot per later prompt position, filled as prefill chunks report them; None: not asked.
     prompt_logprobs: PromptLogprobs | None = None
+    trace_headers: Mapping[str, str] | None = None  # the caller's W3C trace context, for the tracer
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
 
 
+@dataclass
+class IterationStats:
+    """One step's tokens as the frontend saw them (vLLM's IterationStats): generated tokens, and the prompts of
+    the requests whose first token came in this step (their prefill ended here)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, tracer: RequestTracer | None = None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self._core_to_request: dict[str, str] = {}
+        # Spans of every finished request (tracing.py), when an OTLP endpoint is configured; None: no tracing.
+        self.tracer = tracer
+        self.last_iteration = IterationStats()  # of the latest process() call
 
     def add_request(
         self,
@@ -64,8 +85,10 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         samples: list[tuple[str, SamplingParams]],  # (engine-core id, params) per sample
         arrival_time: float,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         state = _RequestState(request_id, prompt, prompt_token_ids, {}, RequestMetrics(arrival_time))
+        state.trace_headers = trace_headers
         state.output_kind = samples[0][1].output_kind if samples else RequestOutputKind.CUMULATIVE
         if samples and samples[0][1].prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
@@ -90,6 +113,8 @@ class OutputProcessor:
         now = time.monotonic()
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
+        iteration = self.last_iteration = IterationStats()
+        timed = self.tracer is not None
         core_to_request, requests = self._core_to_request, self.requests
         final_only = RequestOutputKind.FINAL_ONLY
         for out in outputs:
@@ -102,6 +127,8 @@ class OutputProcessor:
                 continue
             if out.error:
                 state.error = out.error
+            if out.events:
+                _apply_events(state.metrics, out.events)
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state.prompt_logprobs, out.prompt_logprobs_start, out.new_prompt_logprobs)
             new_token_ids = out.new_token_ids
@@ -109,8 +136,10 @@ class OutputProcessor:
                 continue  # a prefill chunk's prompt logprobs alone: shown with the first token
             if new_token_ids:
                 m = state.metrics
+                iteration.num_generation_tokens += len(new_token_ids)
                 if m.first_token_time is None:
                     m.first_token_time = now
+                    iteration.num_prompt_tokens += len(state.prompt_token_ids)
                 m.last_token_time = now
                 # One stamp per token: a speculative step delivers several at once (gaps of 0 between them),
                 # so (last - first) / (n - 1) stays the mean time per token.
@@ -123,7 +152,13 @@ class OutputProcessor:
             sample.token_ids.extend(new_token_ids)
             if sample.logprobs is not None:
                 self._add_logprobs(sample, out.new_logprobs)
-            stop_str = sample.detokenizer.update(new_token_ids)
+            if timed and new_token_ids:
+                started = time.perf_counter()
+                stop_str = sample.detokenizer.update(new_token_ids)
+                state.metrics.detokenize_seconds += time.perf_counter() - started
+                state.metrics.detokenized_time = time.monotonic()
+            else:
+                stop_str = sample.detokenizer.update(new_token_ids)
             if stop_str is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop_str
                 if out.finish_reason is None:
@@ -137,13 +172,16 @@ class OutputProcessor:
         results = []
         for rid, state in changed.items():
             if state.finished:
-                state.metrics.finished_time = now
+                state.metrics.finished_time = time.monotonic()  # after the detokenizer (its span ends inside)
                 del self.requests[rid]
                 for core_id in state.samples:
                     self._core_to_request.pop(core_id, None)
             elif state.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
-            results.append(self._make_output(state))
+            output = self._make_output(state)
+            if state.finished and self.tracer is not None:
+                self._trace(state, output)
+            results.append(output)
         return results, to_abort
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -156,7 +194,18 @@ class OutputProcessor:
             if sample.finish_reason is None:
                 sample.finish_reason = "abort"
         state.metrics.finished_time = time.monotonic()
-        return self._make_output(state)
+        output = self._make_output(state)
+        if self.tracer is not None:
+            self._trace(state, output)
+        return output
+
+    def _trace(self, state: _RequestState, output: RequestOutput) -> None:
+        assert self.tracer is not None
+        params = next(iter(state.samples.values())).params if state.samples else None
+        try:
+            self.tracer.trace(output, params, len(state.samples), state.trace_headers)
+        except Exception:  # a trace is never worth a request: serving goes on without it
+            logger.exception("tracing request %s failed", state.request_id)
 
     def _add_logprobs(self, sample: _Sample, entries: list[LogprobsEntry]) -> None:
         if sample.logprobs is None:
@@ -220,3 +269,17 @@ class OutputProcessor:
             finish_reason=s.finish_reason,
             stop_reason=s.stop_reason,
         )
+
+
+def _apply_events(m: RequestMetrics, events: list[EngineCoreEvent]) -> None:
+    """Fold a core output's events into the request's timeline; n samples each report theirs: the earliest
+    queueing and the first scheduling of any of them count (a re-admission after a preemption does not)."""
+    for event in events:
+        if event.type == EngineCoreEventType.QUEUED:
+            if m.queued_time is None or event.timestamp < m.queued_time:
+                m.queued_time = event.timestamp
+        elif event.type == EngineCoreEventType.SCHEDULED:
+            if m.scheduled_time is None or event.timestamp < m.scheduled_time:
+                m.scheduled_time = event.timestamp
+        elif event.type == EngineCoreEventType.PREEMPTED:
+            m.num_preemptions += 1

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.engine.engine_watch import EngineSnapshot
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -44,6 +45,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class Watch(msgspec.Struct, tag="watch"):
+    """Attach an EngineSnapshot (engine_watch.py) to Outputs at most every `interval_s`; 0 stops it."""
+
+    interval_s: float
+
+
 # -- engine core -> API process ---------------------------------------------------------------------------
 
 
@@ -65,6 +72,7 @@ class Outputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    snapshot: EngineSnapshot | None = None  # only while the API process asked for them (Watch)
 
 
 class Fatal(msgspec.Struct, tag="fatal"):
@@ -73,7 +81,7 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
-ToCore = AddRequest | Abort | Shutdown
+ToCore = AddRequest | Abort | Shutdown | Watch
 FromCore = Ready | Outputs | Fatal
 
 _encoder = msgspec.msgpack.Encoder()

@@ -22,11 +22,14 @@ NOTEs (the why behind the rules):
    (popped for reuse) or the whole cache is reset. Its KV is then never rewritten while findable.
 7. Hashes are keyed by (group id, hash): KV-cache groups with different layer types store different data
    for the same tokens, so a hit must come from the group that asks.
+8. `evict_listener` (a KV connector's `on_device_evict`, when one is configured) hears each cached block as
+   it is evicted, with its hash and id: the block's KV is still intact then (its new owner writes it in a
+   later forward), so a host tier can copy it out before that forward. None costs one check per eviction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedllm.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -57,6 +60,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()  # NOTE 1
         self.null_block.is_null = True
         self.counters = BlockPoolCounters()
+        self.evict_listener: Callable[[bytes, int, int], None] | None = None  # (hash, block id, group id): NOTE 8
 
     # -- allocation ------------------------------------------------------------------------------------------
 
@@ -154,6 +158,8 @@ class BlockPool:
         del entries[block.block_id]
         if not entries:
             del self.cached_block_hash_to_block[key]
+        if self.evict_listener is not None:
+            self.evict_listener(block.block_hash, block.block_id, block.group_id)  # NOTE 8
         block.reset_hash()
         self.counters.blocks_evicted += 1
 

@@ -69,6 +69,21 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class SinkSlidingWindowSpec(SlidingWindowSpec):
+    """StreamingLLM-style attention: the last `sliding_window` tokens plus the first `num_sink_tokens` tokens,
+    which every later token attends to. The sink tokens' blocks stay while the request runs; the rest of the
+    window's past is released. (Learned per-head sink *logits*, gpt-oss's, need no spec: they are weights.)"""
+
+    num_sink_tokens: int = 0
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The window bound plus the sink tokens' blocks, never more than the length itself needs."""
+        whole = -(-num_tokens // self.block_size)
+        sink_blocks = -(-self.num_sink_tokens // self.block_size)
+        return min(whole, super().max_blocks_per_request(num_tokens, max_chunk) + sink_blocks)
+
+
+@dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
     """A Mamba layer's recurrent state: a constant size per request, however long the request grows.
 

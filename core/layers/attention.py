@@ -33,11 +33,21 @@ class Attention(nn.Module):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
         prefix: str = "",
     ) -> None:
+        """`sinks`: this rank's [num_heads] learned sink logits (AttentionLayerConfig.sinks), or None."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"{prefix}: {num_heads} query heads do not split into {num_kv_heads} KV groups")
+        if sinks is not None:
+            if tuple(sinks.shape) != (num_heads,):
+                raise ValueError(f"{prefix}: sinks of shape {tuple(sinks.shape)}, expected ({num_heads},)")
+            if not getattr(ctx.attn_backend, "supports_sinks", False):
+                # Selection already refuses such a backend (AttentionSelectionContext.sinks); this catches a
+                # model whose class did not declare its sinks, instead of attending without them.
+                name = getattr(ctx.attn_backend, "name", ctx.attn_backend)
+                raise ValueError(f"{prefix}: attention backend '{name}' does not support attention sinks")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -49,6 +59,7 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             cpu_ops=ctx.kernels.cpu_ops,
+            sinks=sinks,
         )
         self.impl = ctx.attn_backend.make_impl(self.layer_config)
         self.prefix = prefix
@@ -78,5 +89,5 @@ class Attention(nn.Module):
         cfg = self.layer_config
         return (
             f"heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, "
-            f"window={cfg.sliding_window}, kv_group={self.kv_group_id}"
+            f"window={cfg.sliding_window}, sinks={cfg.sinks is not None}, kv_group={self.kv_group_id}"
         )

@@ -15,7 +15,7 @@ from pagedllm.layers.activation import SiluAndMul, fused_act_down, fused_gate_up
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.layers.weight_utils import StackedMapping
+from pagedllm.layers.weight_utils import StackedMapping, WeightLoadError, copy_checked, set_weight_attrs
 from pagedllm.protocols.model import ModelBuildContext
 
 # Checkpoint projections that we fuse: (our parameter, checkpoint name, shard id).
@@ -90,8 +90,13 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         scale: float | None = None,
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
-        """`scale` defaults to head_dim ** -0.5; Gemma passes query_pre_attn_scalar ** -0.5 and a soft cap."""
+        """`scale` defaults to head_dim ** -0.5; Gemma passes query_pre_attn_scalar ** -0.5 and a soft cap.
+
+        `sinks`: a learned sink logit per query head (gpt-oss), the parameter `sinks` ([num_attention_heads]
+        in the checkpoint; each rank keeps its heads' entries), added to every softmax's denominator.
+        """
         super().__init__()
         cfg = ctx.hf_config
         total_heads = cfg.num_attention_heads
@@ -115,6 +120,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_emb = rotary  # shared by all layers (one cos/sin cache per model)
         self.sliding_window = layer_sliding_window(cfg, layer_idx)
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=ctx.dtype), requires_grad=False)
+            set_weight_attrs(self.sinks, {"weight_loader": self._load_sinks})
         self.attn = Attention(
             ctx,
             self.num_heads,
@@ -123,8 +132,16 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5 if scale is None else scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=self.sinks,
             prefix=f"{prefix}.attn",
         )
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """This rank's query heads' sink logits out of the checkpoint's [num_attention_heads]."""
+        if shard_id is not None:
+            raise WeightLoadError(f"sinks take no shard id (got {shard_id!r})")
+        first = self.qkv_proj.tp_rank * self.num_heads
+        copy_checked(param.data, loaded[first : first + self.num_heads])
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise q and k before RoPE; Llama does nothing."""

@@ -5,6 +5,8 @@ Neox style (Llama, Qwen, Mistral, Gemma) rotates the two halves of each head: fo
     out = [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
 GPT-J style (`is_neox_style=False`) rotates interleaved pairs (x[2i], x[2i + 1]) by the same angles.
 angle(pos, i) = pos * inv_freq[i]. Dimensions past rotary_dim (partial rotary) pass through unchanged.
+YaRN (`rope_type: yarn`, gpt-oss) blends interpolated and original frequencies and also scales cos and sin by
+its attention factor (transformers' `attention_scaling`), folded into the cache here.
 On CUDA one Triton kernel rotates q and k in place (core/layers/triton_ops.py).
 """
 
@@ -47,9 +49,15 @@ class RotaryEmbedding(FusedOp, nn.Module):
         # Computed in float32 like transformers does, then cast to the activation dtype when applied.
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
+        # transformers multiplies cos and sin by the scaling type's attention factor (1 except for YaRN) in
+        # float32 before the cast; doing it once here gives the same products on every path reading the cache.
+        factor = _attention_factor(rope_scaling)
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         # persistent=False: the cache is derived from the config, never read from a checkpoint.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -141,7 +149,54 @@ def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None)
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"rope type '{rope_type}' is not supported (supported: default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
+    raise ValueError(f"rope type '{rope_type}' is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those turning more than `beta_fast` times are
+    kept, and a linear ramp blends the ones between. `truncate` (default true) rounds the ramp's ends outwards.
+    """
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension index whose wavelength fits `rotations` times into the original context.
+        return (rotary_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolation), 0: the interpolated one
+    # 1 / (factor * base^(2i/d)) spelled as transformers does, so the products round the same way.
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + inv_freq * keep
+
+
+def _attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's 0.1 * ln(factor) + 1 (or its `attention_factor`, or the
+    mscale / mscale_all_dim ratio), 1.0 for every other scaling type."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

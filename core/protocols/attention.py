@@ -17,7 +17,7 @@ state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -84,6 +84,11 @@ class AttentionLayerConfig:
     # The engine's CPU fused C kernels for this model (KernelOptions.cpu_ops), for an impl that runs their
     # decode attention (CpuDecodeAttentionImpl); None for every other model.
     cpu_ops: Any = None
+    # Learned per-head attention sinks (gpt-oss): [num_heads] logits, one per query head of this rank, that
+    # join each softmax's denominator as exp(sink) and carry no value -- softmax over [scores | sink], the
+    # sink's column dropped. The model's parameter itself (filled when weights load), so the impl keeps the
+    # reference. Only backends that declare `supports_sinks = True` take it (the Attention layer checks).
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class AttentionImpl(Protocol):
@@ -121,7 +126,10 @@ class CpuDecodeAttentionImpl(Protocol):
 class AttentionBackend(Protocol):
     """A backend class. Optional: `configure(options) -> AttentionBackend`, a classmethod the engine calls once
     at build with the backend's validated `plugins.<name>` section, returning the backend bound to it (e.g. a
-    subclass holding the options), so two engines in one process may run different options."""
+    subclass holding the options), so two engines in one process may run different options; and
+    `supports_sinks: ClassVar[bool]` (absent: False), whether its impls apply `AttentionLayerConfig.sinks`.
+    A backend that does not also refuses `AttentionSelectionContext.sinks` in its check(), so the selector
+    passes it over for a model with sinks."""
 
     name: ClassVar[str]
 

@@ -15,12 +15,16 @@ Lifecycle, driven by the builder:
     executor.execute_model(scheduler_output) -> ModelRunnerOutput      every step (synchronous scheduling)
     executor.execute_pipelined(scheduler_output) -> ModelRunnerOutput | None
                               every step with async scheduling: launches this step, returns the one before
+    executor.launch_model(scheduler_output); executor.collect_model() -> ModelRunnerOutput
+                              pipeline parallelism: up to pp steps in flight, outputs in launch order
     executor.check_health()   raises WorkerDiedError naming the dead rank
+    executor.register_failure_callback(cb)   optional: cb(reason) from the executor's monitor thread on a death
     executor.shutdown()       stops the remote ranks, leaves the group; idempotent
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,6 +48,15 @@ class ExecutorContext:
     @property
     def tp_size(self) -> int:
         return self.config.parallel.tensor_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the replica: tp_size x pp_size (global rank = pp_rank * tp_size + tp_rank)."""
+        return self.tp_size * self.pp_size
 
 
 class ModelRunnerProtocol(Protocol):
@@ -83,8 +96,29 @@ class Executor(Protocol):
         """
         ...
 
+    @optional
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Pipeline parallelism: send one step to every rank and run rank 0's (first) stage, without waiting
+        for the last stage; `collect_model` returns its output. Optional: an executor without it runs a
+        pipeline-parallel engine one step at a time (execute_model)."""
+        ...
+
+    @optional
+    def collect_model(self) -> ModelRunnerOutput:
+        """The output of the oldest step `launch_model` sent and not yet collected (the last stage's)."""
+        ...
+
     def check_health(self) -> None:
         """Raise WorkerDiedError if a remote rank is gone."""
+        ...
+
+    @optional
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Have `callback(reason)` called, once and from a thread of the executor's, as soon as a remote rank is
+        seen dead (a monitor on the rank processes, as vLLM's MultiprocExecutor has), even while rank 0 is
+        inside a step. The engine core uses it to end a step that would otherwise wait in a collective for a
+        dead peer until the group timeout (NCCL; engine/rank_watchdog.py). Optional: without it a death is
+        found by `check_health` between steps and by a step that fails on its own."""
         ...
 
     def shutdown(self) -> None:

@@ -42,9 +42,25 @@ class ModelBuildContext:
     # The dense method's config (the `none` quantization plugin's) for every layer the quantization config
     # leaves dense and for a dense LM head; None: pagedllm.layers.dense's plain torch matmul.
     dense_config: Any | None = None
+    # Pipeline parallelism: this stage and the stage count, and the configured layer split (None: the default,
+    # distributed/pp_partition.py). A model that honours them declares `supports_pipeline_parallel = True`.
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
 
 class CausalLM(Protocol):
+    """A model class. Optional class attribute: `attention_sinks: bool` (absent: False), true when its attention
+    layers pass learned sinks (AttentionLayerConfig.sinks), so the engine selects a backend that applies them."""
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -52,6 +68,13 @@ class CausalLM(Protocol):
         attn_metadata: Any,  # the backend's metadata for this step
         kv_caches: list[torch.Tensor],  # one per attention layer, in layer order
     ) -> torch.Tensor:  # [T, hidden_size]
+        """The step's final hidden states.
+
+        A model with `supports_pipeline_parallel = True` also takes `intermediate_tensors=` (an
+        IntermediateTensors from the previous stage, on every stage but the first) and returns an
+        IntermediateTensors on every stage but the last; `kv_caches` are then its own stage's layers' only,
+        and `kv_cache_specs` lists those layers alone.
+        """
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

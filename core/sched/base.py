@@ -20,7 +20,7 @@ from pagedllm.engine.messages import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagedllm.request import Request, RequestStatus
+from pagedllm.request import EngineCoreEventType, Request, RequestStatus
 from pagedllm.sched.stats import SchedulerStats
 from pagedllm.sched.stop import check_stop
 
@@ -43,6 +43,17 @@ class SchedulerBase:
     # `num_output_placeholders` > 0 (its in-flight token is not in its prompt+outputs yet).
     # Policies that do not declare it run with synchronous steps.
     supports_async_scheduling: ClassVar[bool] = False
+    # Pipeline parallelism (engine_core.py NOTE 3) keeps up to pipeline_parallel_size batches in flight. A
+    # policy that declares it must, while `hold_in_flight` is set (the engine sets it), not schedule a running
+    # request whose `num_output_placeholders` > 0: its next input token is still on its way from the last
+    # stage; and schedule at most `batch_request_cap` requests (when set) in one step, so the requests spread
+    # over the micro-batches. Other policies run pipeline-parallel engines one batch at a time.
+    supports_pipeline_batches: ClassVar[bool] = False
+    hold_in_flight: bool = False
+    batch_request_cap: int | None = None
+    # A KV connector (protocols/kv_connector.py) the engine set, or None: admission asks it for prefix hits
+    # beyond the device cache (`external_prefix_hit`), make_output hands its plan to the runner.
+    kv_connector: Any = None
 
     def __init__(self, ctx: SchedulerContext) -> None:
         self.ctx = ctx
@@ -100,6 +111,8 @@ class SchedulerBase:
         pc = self.kv.make_prefix_cache_stats()
         s.prefix_cache_queries += pc.queries
         s.prefix_cache_hits += pc.hits
+        if self.kv_connector is not None:
+            s.kv_connector = self.kv_connector.stats()
         return s
 
     # -- policy ----------------------------------------------------------------------------------------------
@@ -138,6 +151,27 @@ class SchedulerBase:
         """growth_blocks summed over the running requests, from what each has computed."""
         return sum(self.growth_blocks(req, headroom, req.num_computed_tokens) for req in self.running)
 
+    def external_prefix_hit(self, req: Request, num_computed: int) -> int:
+        """Prompt tokens past the device prefix hit (`num_computed`) that the KV connector holds (0 without one).
+
+        Whole blocks, and the total stays below the request's known tokens (the last is always computed: its
+        logits sample the next token). A policy admitting `req` allocates them with the tokens it schedules,
+        `allocate_slots(req, external + num_new, num_computed, ...)`, then calls `admit_external`.
+        """
+        connector = self.kv_connector
+        if connector is None or req.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every position computed, as for device hits
+        found = connector.get_num_new_matched_tokens(req, num_computed)
+        limit = (req.num_tokens - 1) // self._block_size * self._block_size - num_computed
+        return max(0, min(found, limit))
+
+    def admit_external(self, req: Request, num_computed: int, num_external: int) -> None:
+        """Tell the connector which blocks of `req` (allocated just now) its `num_external` tokens go into."""
+        if num_external:
+            first = num_computed // self._block_size
+            blocks = self.kv.get_block_ids(req.request_id)[0][first : first + num_external // self._block_size]
+            self.kv_connector.update_state_after_alloc(req, blocks, num_external)
+
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch (first in line)."""
         request.status = RequestStatus.PREEMPTED
@@ -145,6 +179,7 @@ class SchedulerBase:
         request.num_computed_tokens = 0
         request.spec_token_ids = []  # the runner forgets the request, and with it the drafts' probabilities
         request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
         self._stats.num_preemptions += 1
         self._in_runner.discard(request.request_id)
         self._sent_blocks.pop(request.request_id, None)
@@ -181,6 +216,7 @@ class SchedulerBase:
                     CachedRequestData(rid, take_new_block_ids(rid, sent_blocks[rid]), req.num_computed_tokens)
                 )
             else:
+                req.record_event(EngineCoreEventType.SCHEDULED)  # new to the runner: admitted or resumed
                 sent = sent_blocks[rid] = [0] * self._num_groups
                 new_reqs.append(
                     NewRequestData(
@@ -207,6 +243,8 @@ class SchedulerBase:
             preempted_req_ids=self._preempted_ids,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         self._finished_ids, self._preempted_ids = set(), set()
         self._stats.num_steps += 1
         return out
@@ -268,6 +306,8 @@ class SchedulerBase:
             )
             if prompt_lps and rid in prompt_lps:
                 out.prompt_logprobs_start, out.new_prompt_logprobs = prompt_lps[rid]
+            if req.events:
+                out.events = req.take_events()
             if stopped:
                 out.finish_reason = req.get_finish_reason()
                 out.stop_reason = req.stop_reason

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCacheManager
-from pagedllm.kv_cache.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from pagedllm.kv_cache.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SinkSlidingWindowSpec,
+    SlidingWindowSpec,
+)
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -55,6 +62,9 @@ def default_spec(spec_type: type, block_size: int = BLOCK_SIZE) -> KVCacheSpec:
         return FullAttentionSpec(block_size, 1, 8, torch.float32)
     if spec_type is SlidingWindowSpec:
         return SlidingWindowSpec(block_size, 1, 8, torch.float32, sliding_window=6)
+    if spec_type is SinkSlidingWindowSpec:  # sinks spanning a block and a half, so a partial sink block is pinned
+        return SinkSlidingWindowSpec(block_size, 1, 8, torch.float32, sliding_window=6,
+                                     num_sink_tokens=block_size + block_size // 2)
     if spec_type is MambaSpec:
         return MambaSpec(block_size, (4, 3), (4, 8), torch.float32)
     raise TypeError(f"no default spec for {spec_type.__name__}; pass spec=... to check_kv_manager")

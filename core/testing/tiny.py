@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mamba", "mamba2", "bamba")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gpt_oss", "mamba", "mamba2", "bamba")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=384,
@@ -64,6 +64,16 @@ def tiny_hf_config(kind: str) -> Any:
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
             },
+        )
+    if kind == "gpt_oss":
+        # Sliding (window 8) and full layers, 4 experts of which 2 per token, YaRN over a 128-token original
+        # context; the learned sinks start random (transformers' init), attention and experts biased.
+        common = {**_COMMON, "initializer_range": 0.2, "num_hidden_layers": 4, "intermediate_size": 32}
+        return transformers.GptOssConfig(
+            **common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            tie_word_embeddings=False, architectures=["GptOssForCausalLM"],
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
         )
     ssm = {"vocab_size": _COMMON["vocab_size"], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if kind == "mamba":

@@ -60,8 +60,9 @@ def profile_activation_bytes(
     if compile_ahead:
         compile_first(functools.partial(_forward_once, model, backend, inputs, caches))
     hidden = _forward_once(model, backend, inputs, caches)
-    rows = min(num_logit_rows, num_tokens)
-    model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
+    if isinstance(hidden, torch.Tensor):  # a pipeline stage before the last has no logits
+        rows = min(num_logit_rows, num_tokens)
+        model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
     del caches, hidden, inputs
@@ -69,8 +70,15 @@ def profile_activation_bytes(
     return int(peak)
 
 
-def _forward_once(model: Any, backend: Any, inputs: Any, caches: list[torch.Tensor]) -> torch.Tensor:
-    return model(inputs.input_ids, inputs.positions, build_attn_metadata(backend, inputs), caches)
+def _forward_once(model: Any, backend: Any, inputs: Any, caches: list[torch.Tensor]) -> Any:
+    metadata = build_attn_metadata(backend, inputs)
+    stage = getattr(model, "ctx", None)
+    if stage is not None and getattr(stage, "pp_size", 1) > 1:
+        # A pipeline stage profiles alone: a stage after the first starts from zeros of the received shape.
+        intermediate = (None if stage.is_first_stage
+                        else model.make_empty_intermediate_tensors(int(inputs.input_ids.shape[0])))
+        return model(inputs.input_ids, inputs.positions, metadata, caches, intermediate_tensors=intermediate)
+    return model(inputs.input_ids, inputs.positions, metadata, caches)
 
 
 def profile_batch(

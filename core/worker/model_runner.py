@@ -75,11 +75,12 @@ from pagedllm.worker.input_prep import (
     plan_inputs,
     prepare_inputs,
 )
+from pagedllm.worker.pipeline_stage import PLACEHOLDER, stage_forward, stage_step_output
 from pagedllm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("pagedllm")
-
-PLACEHOLDER = -1  # a token sampled by the step in flight (NOTE 1); never reaches the model or the sampler
+# PLACEHOLDER (imported above): a token sampled by the step in flight (NOTE 1) or on another pipeline stage;
+# never reaches the model or the sampler.
 
 
 @dataclass
@@ -114,6 +115,8 @@ class ModelRunner:
         *,
         sampler: Sampler | None = None,
         speculator: Speculator | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         """:param sampler: the engine's sampler (with the config's logits processors); a plain one by default.
         :param speculator: speculative decoding's proposer and verification (pagedllm.spec_decode.speculator);
@@ -121,8 +124,11 @@ class ModelRunner:
         Both are built by the engine's builder (engine/runner_plugins.py) and fixed for the runner's life."""
         self.model = model
         self.tp_rank, self.tp_size = tp_rank, tp_size  # this runner's tensor-parallel rank (NOTE 2)
+        self.pp_rank, self.pp_size = pp_rank, pp_size  # its pipeline stage (worker/pipeline_stage.py)
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
+        # A KV connector's worker side (protocols/kv_connector.py), set by the engine builder; None: none.
+        self.kv_connector: Any = None
         self.block_size = block_size
         # One entry per KV-cache group; group 0's is block_size.
         self.block_sizes = list(block_sizes) if block_sizes else [block_size]
@@ -266,6 +272,9 @@ class ModelRunner:
                 if ids:  # most decode steps append no block
                     state.block_ids[group].extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        if so.kv_connector_metadata is not None:
+            # Evicted blocks out, tier hits in: before this step's forward writes or reads the cache.
+            self.kv_connector.start_load_kv(so.kv_connector_metadata)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -282,6 +291,8 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         token_ids = [s.token_ids + spec[r] if r in spec else s.token_ids for r, s in zip(req_ids, states)]
         inputs, hidden = self._forward_states(states, token_ids, num_sched)
+        if hidden is None:  # a pipeline stage before the last: its output went on to the next stage
+            return stage_step_output(req_ids, states, num_sched)
         prompt_lps = (prompt_logprobs.to_entries(prompt_logprobs.compute(self.model, hidden, prompt_slots,
                                                                          self.vocab_size))
                       if prompt_slots else {})
@@ -558,6 +569,9 @@ class ModelRunner:
             if fill is not None:
                 fill(inputs.input_ids)
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
+        if self.pp_size > 1:  # None on a stage before the last (pipeline_stage.py)
+            return inputs, stage_forward(self.model, inputs.input_ids, inputs.positions, attn_metadata,
+                                         self.kv_caches, self.pp_rank, self.pp_size)  # type: ignore[return-value]
         return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches)
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.api.engine import AsyncLLM
+from pagedllm.plugins.server.docs_ui import install_docs
 from pagedllm.plugins.server.errors import (
     ERROR_RESPONSES,
     APIError,
@@ -38,9 +39,12 @@ from pagedllm.plugins.server.protocol import (
     TokenizeResponse,
     publish_limits,
 )
+from pagedllm.plugins.server.responses_protocol import ResponseObject, ResponsesRequest
 from pagedllm.plugins.server.serving_chat import create_chat_completion
 from pagedllm.plugins.server.serving_common import check_model, until_disconnected
 from pagedllm.plugins.server.serving_completion import create_completion
+from pagedllm.plugins.server.serving_responses import create_response
+from pagedllm.plugins.server.tools import template_messages
 
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]],
                    Awaitable[None]]
@@ -67,9 +71,11 @@ def package_version() -> str:
 class _Guard:
     """Pure-ASGI middleware (it must not buffer streaming responses): API key, drain, then body-size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, state: ServerState,
+                 open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.open_paths = open_paths
         self.max_body = max_body_bytes
         self.state = state
 
@@ -79,7 +85,7 @@ class _Guard:
             return
         headers = dict(scope.get("headers") or [])
         path = scope["path"]
-        if self.api_key is not None and path not in OPEN_PATHS:
+        if self.api_key is not None and path not in self.open_paths:
             given = headers.get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             # compare_digest: the time taken does not reveal how many leading bytes matched.
@@ -140,8 +146,11 @@ async def _send_error(send: Any, status: int, message: str, param: str | None = 
 
 
 def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int = 4 << 20,
-              state: ServerState | None = None) -> FastAPI:
-    app = FastAPI(title="pagedllm OpenAI-compatible API", version="0.1.0")
+              state: ServerState | None = None, ui: bool = False) -> FastAPI:
+    """The app over `engine`; `ui`: also the web chat and engine dashboard at `/` (ui/routes.py)."""
+    # FastAPI's own /docs and /redoc load their assets from a CDN: docs_ui.py serves them from here instead.
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version="0.1.0", docs_url=None, redoc_url=None)
+    install_docs(app)
     state = state or ServerState()
     app.state.engine = engine
     app.state.lifecycle = state
@@ -207,10 +216,14 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
             raise APIError(400, "this model has no tokenizer", "prompt")
         try:
             if body.messages is not None:
-                msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-                ids = engine.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+                # As chat completions renders them (tools.template_messages, the tools), so the counts agree.
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+                ids = engine.apply_chat_template(template_messages(body.messages),
+                                                 add_generation_prompt=body.add_generation_prompt, tools=tools)
             else:
                 ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+        except APIError:
+            raise  # already names its field (template_messages: messages)
         except Exception as exc:
             raise from_exception(exc if isinstance(exc, ValueError) else ValueError(str(exc))) from exc
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
@@ -225,18 +238,28 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=str(engine.tokenizer.decode(body.tokens)))
 
-    @app.api_route("/v1/responses", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    @app.post("/v1/responses", responses={200: {"model": ResponseObject, **_SSE_200[200]}, **ERROR_RESPONSES})
+    async def responses_create(body: ResponsesRequest, raw: Request) -> Any:
+        return await guarded(raw, lambda: create_response(engine, body, raw))
+
     @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-    async def responses_api() -> Response:
-        # An SDK probing for the Responses API learns at once, in OpenAI's error shape, that it is absent.
-        return JSONResponse(error_body(404, "the Responses API (/v1/responses) is not implemented by this server; "
-                                       "use /v1/chat/completions", None, "not_implemented"), status_code=404)
+    async def responses_stored() -> Response:
+        # serving_responses.py keeps no responses: retrieving, cancelling or deleting one is a clear 404.
+        return JSONResponse(error_body(404, "this server keeps no responses (store is not supported), so there is "
+                                       "none to retrieve, cancel or delete", None, "not_found"), status_code=404)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
         return Response(app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    open_paths = OPEN_PATHS
+    if ui:
+        from pagedllm.plugins.server.ui.routes import PUBLIC_PATHS, install_ui
+
+        app.state.dashboard = install_ui(app, engine, lambda: state.draining)
+        open_paths = OPEN_PATHS | PUBLIC_PATHS  # the page, not its data: it must load to ask for the key
     engine.pm.hook.server_app_created(app=app, engine=engine)
     # Outermost, so a rejected key or an oversized body never reaches routing or the engine.
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, state=state)  # type: ignore[arg-type]
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, state=state,  # type: ignore[arg-type]
+                       open_paths=open_paths)
     return app

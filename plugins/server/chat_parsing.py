@@ -3,18 +3,23 @@
 The parsers are plugins (`pagedllm.tool_parsers`, `pagedllm.reasoning_parsers`) found by name through the
 plugin registry, once at start-up, so a misspelt name stops the server with the installed names listed.
 Chosen by `--tool-call-parser` / `--reasoning-parser` / `--enable-auto-tool-choice`, or the config's
-`plugins.openai` section (the flags win).
+`plugins.openai` section (the flags win); without a tool parser named, the one the model's chat template
+implies (tool_parser_choice.py), once the tokenizer is loaded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedllm.api import PluginKind
 from pagedllm.api.engine import get_plugin_manager
 from pagedllm.api.parsers import DeltaMessage, ReasoningParserContext, ToolCall, ToolCallDelta
 from pagedllm.plugins.server.options import ServerSection
+from pagedllm.plugins.server.tool_parser_choice import choose_tool_parser
+
+logger = logging.getLogger("pagedllm.server")
 
 
 def _resolve(kind: PluginKind, name: str, flag: str) -> Any:
@@ -44,8 +49,6 @@ class ChatParsing:
         reasoning_name = getattr(options, "reasoning_parser", None) or conf.reasoning_parser
         auto = getattr(options, "enable_auto_tool_choice", None)
         auto = conf.enable_auto_tool_choice if auto is None else bool(auto)
-        if auto and tool_name is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which parser reads the calls?)")
         return cls(
             tool_parser=_resolve(PluginKind.TOOL_PARSER, tool_name, "--tool-call-parser") if tool_name else None,
             tool_parser_name=tool_name,
@@ -54,6 +57,25 @@ class ChatParsing:
             reasoning_parser_name=reasoning_name,
             enable_auto_tool_choice=auto,
         )
+
+    def for_model(self, chat_template: str | dict[str, str] | None) -> ChatParsing:
+        """Without --tool-call-parser, the parser the model's chat template implies (tool_parser_choice.py),
+        logged with its reason. --enable-auto-tool-choice with neither a flag nor an implied parser is an
+        error (stopping the server), since "auto" could not read a single call."""
+        if self.tool_parser is not None:
+            return self
+        pm = get_plugin_manager()
+        choice = choose_tool_parser(chat_template, {c.name for c in pm.components(PluginKind.TOOL_PARSER)})
+        if choice.name is None:
+            if self.enable_auto_tool_choice:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: none could be chosen from "
+                                 f"the model ({choice.reason})")
+            logger.info("tool_parser: none (%s; --tool-call-parser names one)", choice.reason)
+            return self
+        logger.info("tool_parser: %s (chosen from the model: %s; --tool-call-parser overrides)", choice.name,
+                    choice.reason)
+        return replace(self, tool_parser=_resolve(PluginKind.TOOL_PARSER, choice.name, "the model's tool parser"),
+                       tool_parser_name=choice.name)
 
 
 @dataclass

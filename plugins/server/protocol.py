@@ -7,7 +7,8 @@ enforces (tests/test_server_strict_schema.py generates requests from it).
 NOTE(1) honest bodies: a field the server does not implement is a 400 naming it (`extra="forbid"`), never
 accepted and dropped; the fields declared here are the allow-list: OpenAI's that we implement, plus vLLM's
 documented extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens, vllm_xargs, ...).
+allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens, vllm_xargs, use_beam_search with
+length_penalty on /v1/completions, ...).
 NOTE(2) strict JSON types, as OpenAI's schema has them (`strict=True`): an integer field takes no 15.0 and no
 `true`, a boolean takes no "yes", a string takes no number; a number field takes integers (JSON has one
 number type).
@@ -135,18 +136,45 @@ class _Sampling(_Body):
 # -- /v1/completions ------------------------------------------------------------------------------------------
 
 
+# What beam search honours of a completion request: prompt, model, n, max_tokens, temperature,
+# ignore_eos, length_penalty, include_stop_str_in_output, truncate_prompt_tokens, user. Every other field must
+# keep the value that means "not asked for" (serving_beam_search.py answers a 400 naming the first that does not).
+BEAM_SEARCH_NEUTRAL: dict[str, Any] = {
+    "stream": False, "echo": False, "logprobs": None, "min_tokens": 0, "skip_special_tokens": True,
+    **{name: None for name in (
+        "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+        "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "vllm_xargs",
+        "response_format", "structured_outputs", "stream_options",
+    )},
+}
+_NEUTRAL_SCHEMA = {name: {"type": "null"} if value is None else {"const": value}
+                   for name, value in BEAM_SEARCH_NEUTRAL.items()}
+_USES_BEAM_SEARCH = {"properties": {"use_beam_search": {"const": True}}, "required": ["use_beam_search"]}
+_BEAM_SEARCH_RULES: list[dict[str, Any]] = [
+    {"if": _USES_BEAM_SEARCH, "then": {"properties": _NEUTRAL_SCHEMA}},
+    # length_penalty only with beam search.
+    {"if": {"required": ["length_penalty"], "properties": {"length_penalty": {"type": "number"}}},
+     "then": _USES_BEAM_SEARCH},
+]
+
+
 class CompletionRequest(_Sampling):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # vLLM's beam-search extension (serving_beam_search.py): `n` beams (the beam width) as the choices, finished
+    # beams scored cum_logprob / generated_len ** length_penalty. length_penalty means nothing without it, so it
+    # is refused without it rather than ignored. (vLLM V1 dropped best_of: here an unknown field, a 400.)
+    use_beam_search: bool = False
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0)
 
     # The published schema states the cross-field rules serving_completion.py and the validators enforce.
     model_config = ConfigDict(json_schema_extra=_rules(_PROMPT_LOGPROBS_NOT_STREAMED, {
         "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
         "then": {"properties": {"logprobs": {"type": "null"}}},
-    }))
+    }, *_BEAM_SEARCH_RULES))
 
 
 class CompletionLogprobs(BaseModel):
@@ -391,6 +419,15 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages: the tools the chat template renders, as a chat request with these tools would send them.
+    tools: list[ChatTool] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_need_messages(cls, value: list[ChatTool] | None, info: ValidationInfo) -> list[ChatTool] | None:
+        if value is not None and info.data.get("messages") is None:
+            raise ValueError("tools are rendered by the chat template: send them with messages, not prompt")
+        return value
 
 
 class TokenizeResponse(BaseModel):

@@ -34,6 +34,7 @@ async def _serve(config: EngineConfig, options: Any) -> int:
     from pagedllm.api.engine import AdmissionLimits, AsyncLLM, EngineDeadError
     from pagedllm.plugins.server.app import build_app
     from pagedllm.plugins.server.lifecycle import FLUSH_S, EngineSupervisor, ServerState
+    from pagedllm.plugins.server.options import ServerSection
 
     # --max-waiting N >= 1 arrives as scheduler.max_waiting; 0 (unbounded) only here.
     limits = AdmissionLimits(
@@ -50,6 +51,12 @@ async def _serve(config: EngineConfig, options: Any) -> int:
         return 2
     engine = AsyncLLM(config, served_model_name=options.served_model_name, limits=limits)
     engine.chat_template = getattr(options, "chat_template", None)
+    try:  # no --tool-call-parser: the one the model's template implies (before the engine core starts)
+        chat_parsing = chat_parsing.for_model(engine.chat_template or getattr(engine.tokenizer, "chat_template", None))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        await engine.shutdown()
+        return 2
     try:
         ready = await engine.start()
     except EngineDeadError as exc:
@@ -59,7 +66,8 @@ async def _serve(config: EngineConfig, options: Any) -> int:
     logger.info("engine core ready (pid %d): %s, max_model_len %d, waiting bound %s", ready.pid, engine.model_name,
                 ready.max_model_len, engine.max_waiting if engine.max_waiting is not None else "none")
     state = ServerState()
-    app = build_app(engine, options.api_key, options.max_body_bytes, state=state)
+    app = build_app(engine, options.api_key, options.max_body_bytes, state=state,
+                    ui=ServerSection.resolve_ui(options, config.plugins.get("openai")))
     app.state.chat_parsing = chat_parsing
     server = _draining_server_class()(
         uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level, lifespan="off",

@@ -40,6 +40,7 @@ from pagedllm.plugins.server.serving_common import (
     sse,
     sse_error,
     start_streams,
+    trace_headers,
     until_disconnected,
     usage_of,
 )
@@ -68,11 +69,30 @@ def _logprobs(positions: list[dict[int, Logprob]], top_n: int) -> list[TokenLogp
     return out
 
 
-async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request) -> Any:
+@dataclasses.dataclass
+class ChatRun:
+    """One chat request started in the engine: its id, prompt, first output already in hand (so validation
+    and queue errors have surfaced as status codes), and the parser factory for its choices' text."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: AsyncIterator[RequestOutput]
+    new_parser: NewParser
+
+
+async def start_chat(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request,
+                     messages: list[dict[str, Any]] | None = None, rid: str | None = None,
+                     prompt_param: str = "messages") -> ChatRun:
+    """Render, constrain and submit a chat request; shared by /v1/chat/completions and /v1/responses.
+
+    `messages`: the template's messages when the caller built them itself (the Responses API's items),
+    instead of `template_messages(body.messages)`; `prompt_param` names the field a prompt error blames."""
     check_model(engine, body.model)
     parsing: ChatParsing = getattr(raw.app.state, "chat_parsing", None) or ChatParsing()
     plan = plan_tools(body, parsing)
-    messages = template_messages(body.messages)
+    if messages is None:
+        messages = template_messages(body.messages)
     prompt_ids = engine.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
                                             tools=plan.tools or None,
                                             continue_final_message=body.continue_final_message,
@@ -83,20 +103,26 @@ async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _constrained(engine, sampling_params(body, max_tokens, logprobs, engine), plan, parsing)
     new_parser = _parser_factory(engine, plan, parsing, params.structured_outputs is not None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = engine.generate({"prompt_token_ids": prompt_ids}, params, rid, prompt_param="messages")
+    rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
+    gen = engine.generate({"prompt_token_ids": prompt_ids}, params, rid, prompt_param=prompt_param,
+                          trace_headers=trace_headers(raw))
     (first,) = await start_streams([gen])
-    stream = prepend(first, gen)
+    return ChatRun(rid, prompt_ids, params, prepend(first, gen), new_parser)
+
+
+async def create_chat_completion(engine: AsyncLLM, body: ChatCompletionRequest, raw: Request) -> Any:
+    run = await start_chat(engine, body, raw)
     top_n = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(stream, rid, engine.model_name, body.n, len(prompt_ids), include_usage, body.logprobs, top_n,
-                    new_parser),
+            _stream(run.stream, run.rid, engine.model_name, body.n, len(run.prompt_ids), include_usage,
+                    body.logprobs, top_n, run.new_parser),
             media_type="text/event-stream",
         )
     return await until_disconnected(
-        raw, lambda: _collect(stream, rid, engine.model_name, len(prompt_ids), body.logprobs, top_n, new_parser)
+        raw, lambda: collect_chat(run.stream, run.rid, engine.model_name, len(run.prompt_ids), body.logprobs, top_n,
+                                  run.new_parser)
     )
 
 
@@ -149,12 +175,12 @@ def _message(parser: ChoiceParser | None, text: str) -> ChatMessageOut:
     return ChatMessageOut(content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=calls or None)
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
+def finish_reason_of(reason: str | None, called: bool) -> str | None:
     # OpenAI's: a turn that ends in tool calls finishes with "tool_calls" (a cut-off one stays "length").
     return "tool_calls" if called and reason == "stop" else reason
 
 
-async def _collect(
+async def collect_chat(
     stream: AsyncIterator[RequestOutput], rid: str, model: str, prompt_len: int, want_logprobs: bool, top_n: int,
     new_parser: NewParser,
 ) -> ChatCompletionResponse:
@@ -179,13 +205,13 @@ async def _collect(
     for choice in choices.values():
         parser = new_parser()
         choice.message = _message(parser, choice.message.content or "")
-        choice.finish_reason = _finish_reason(choice.finish_reason, parser is not None and parser.called)
+        choice.finish_reason = finish_reason_of(choice.finish_reason, parser is not None and parser.called)
     ordered = [choices[k] for k in sorted(choices)]
     return ChatCompletionResponse(id=rid, model=model, choices=ordered, usage=usage_of([prompt_len], completion_tokens),
                                   prompt_logprobs=prompt_logprobs)
 
 
-def _parsed_deltas(parser: ChoiceParser, text: str, finished: bool) -> list[dict[str, Any]]:
+def parsed_deltas(parser: ChoiceParser, text: str, finished: bool) -> list[dict[str, Any]]:
     """The `delta` objects one engine output becomes: reasoning, then content, then one per tool-call piece."""
     if not text and not finished:
         return []
@@ -246,13 +272,13 @@ async def _stream(
                         yield chunk([choice(c.index, {}, c.finish_reason)])
                     continue
                 finished = c.finish_reason is not None
-                for delta in _parsed_deltas(parser, c.text, finished):
+                for delta in parsed_deltas(parser, c.text, finished):
                     yield chunk([choice(c.index, delta, None, logprobs)])
                     logprobs = None
                 if logprobs:  # the tokens' text is held back by a parser for now; their logprobs are not
                     yield chunk([choice(c.index, {"content": ""}, None, logprobs)])
                 if finished:
-                    yield chunk([choice(c.index, {}, _finish_reason(c.finish_reason, parser.called))])
+                    yield chunk([choice(c.index, {}, finish_reason_of(c.finish_reason, parser.called))])
         if include_usage:
             yield chunk([], usage_of([prompt_len], completion_tokens).model_dump())
     except Exception as exc:

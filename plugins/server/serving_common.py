@@ -26,6 +26,16 @@ def check_model(engine: AsyncLLM, model: str | None) -> None:
                        "model", "model_not_found")
 
 
+# W3C trace context: a request carrying it gets its trace (pagedllm.tracing) under the caller's span.
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_headers(raw: Request) -> dict[str, str] | None:
+    """The request's W3C trace-context headers, or None when it has none."""
+    found = {h: raw.headers[h] for h in TRACE_HEADERS if h in raw.headers}
+    return found or None
+
+
 def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None,
                     engine: AsyncLLM | None = None) -> SamplingParams:
     """SamplingParams from a request body; unset OpenAI fields keep the engine's defaults. With `engine`, a

@@ -19,6 +19,7 @@ from pagedllm.plugins.server.protocol import (
     CompletionResponse,
     prompt_logprobs_out,
 )
+from pagedllm.plugins.server.serving_beam_search import check_beam_request, create_beam_completion
 from pagedllm.plugins.server.serving_common import (
     check_model,
     merge,
@@ -27,6 +28,7 @@ from pagedllm.plugins.server.serving_common import (
     sse,
     sse_error,
     start_streams,
+    trace_headers,
     until_disconnected,
     usage_of,
 )
@@ -70,9 +72,14 @@ async def create_completion(engine: AsyncLLM, body: CompletionRequest, raw: Requ
     prompts = _prompts(body.prompt)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
+    check_beam_request(body)
+    if body.use_beam_search:
+        beam_rid = f"cmpl-{uuid.uuid4().hex}"
+        return await until_disconnected(raw, lambda: create_beam_completion(engine, body, prompts, beam_rid))
     params = sampling_params(body, body.max_tokens, body.logprobs, engine)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gens = [engine.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+    context = trace_headers(raw)
+    gens = [engine.generate(p, params, f"{rid}-{i}", trace_headers=context) for i, p in enumerate(prompts)]
     firsts = await start_streams(gens)
     streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
     echoes = [_echo_text(engine, p, f) if body.echo else "" for p, f in zip(prompts, firsts)]

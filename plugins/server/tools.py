@@ -64,9 +64,10 @@ def plan_tools(body: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan:
     max_calls = 1 if body.parallel_tool_calls is False else None
     if choice is None or choice == "auto":
         if not (parsing.enable_auto_tool_choice and parsing.tool_parser is not None):
+            implied = f" (this model's template implies {parsing.tool_parser_name})" if parsing.tool_parser else ""
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
-                           "--enable-auto-tool-choice and --tool-call-parser; or send tool_choice \"required\", "
-                           '"none" or a named function', "tool_choice")
+                           f"--enable-auto-tool-choice and a tool parser{implied}; or send tool_choice "
+                           '"required", "none" or a named function', "tool_choice")
         return ToolPlan("auto", tools, max_calls=max_calls)
     if choice == "none":
         return ToolPlan("none", tools)

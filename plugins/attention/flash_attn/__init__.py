@@ -145,6 +145,8 @@ def check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (only the model dtype)")
     if ctx.head_size > 256 or ctx.head_size % 8:
         reasons.append(f"head size {ctx.head_size} not supported (a multiple of 8, at most 256)")
+    if ctx.sinks:
+        reasons.append("attention sinks not supported (this backend does not pass them to FlashAttention)")
     if ctx.device_type == "cuda":
         variant, why = choose(ctx)
         if variant is None:

@@ -53,6 +53,8 @@ def check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"fp8 kv cache needs compute capability >= 8.9, not {ctx.compute_capability}")
     if ctx.head_size not in HEAD_SIZES:
         reasons.append(f"head size {ctx.head_size} not in {HEAD_SIZES}")
+    if ctx.sinks:
+        reasons.append("attention sinks not supported (this backend does not pass them to FlashInfer)")
     return reasons
 
 

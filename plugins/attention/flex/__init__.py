@@ -48,6 +48,8 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"dtype {ctx.dtype} not supported (float32, float16, bfloat16)")
     if ctx.device_type not in ("cpu", "cuda"):
         reasons.append(f"device {ctx.device_type}: runs on cpu or cuda")
+    if ctx.sinks:
+        reasons.append("attention sinks not supported (no score mod adds the sink column)")
     return reasons
 
 

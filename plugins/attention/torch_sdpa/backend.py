@@ -17,6 +17,11 @@ requests, one query each) are batched over a padded [D, L = blocks * block_size]
 prefills run one request at a time through SDPA. Scores and softmax are computed in float32 whatever the
 model dtype: the oracle favours accuracy over speed.
 
+Attention sinks (AttentionLayerConfig.sinks, gpt-oss): head h's learned logit s_h joins every softmax as one
+more column with no value, as transformers' eager gpt-oss attention does:
+    p = softmax([scores | s_h])[:-1]      (so sum(p) = 1 - exp(s_h) / (sum(exp(scores)) + exp(s_h)))
+SDPA cannot add that column, so layers with sinks take the spelled-out path that soft-capping takes.
+
 FP8 KV cache (float8_e4m3fn): rows are stored as clamp(x / scale, +-448) with one scale for K and one for V
 per layer (`k_scale`, `v_scale` on the impl, 1.0 unless a loader sets them) and read back as
 float32 * scale -- the same arithmetic as the Triton kernels, so the two backends write identical caches.
@@ -108,6 +113,7 @@ class TorchSDPAImpl:
         self.scale = layer.scale
         self.sliding_window = layer.sliding_window
         self.soft_cap = layer.logits_soft_cap
+        self.sinks = layer.sinks  # [num_heads] or None; the model's parameter, read at every call
         self.group = layer.num_heads // layer.num_kv_heads
         self.k_scale = 1.0  # fp8 KV cache only: stored = x / scale (see the module docstring)
         self.v_scale = 1.0
@@ -155,7 +161,7 @@ class TorchSDPAImpl:
     def c_decode_params(self, ops: Any) -> tuple[float, int, float] | None:
         """(scale, window or 0, soft cap or 0) when this layer's decode runs `ops`' C decode attention over the
         engine's paged cache (AttentionImpl's optional CPU decode members), None otherwise."""
-        if self.cpu_ops is None or self.cpu_ops is not ops:
+        if self.cpu_ops is None or self.cpu_ops is not ops or self.sinks is not None:  # the C kernel has no sinks
             return None
         return float(self.scale), int(self.sliding_window or 0), float(self.soft_cap or 0.0)
 
@@ -179,7 +185,8 @@ class TorchSDPAImpl:
         common = md.common
         hs = self.head_size
         md.c_decode = (
-            md.num_decodes == query.shape[0] == common.num_actual_tokens
+            self.sinks is None
+            and md.num_decodes == query.shape[0] == common.num_actual_tokens
             and not md.prefills
             and kv_cache.dtype == query.dtype == key.dtype == value.dtype == torch.float32
             and kv_cache.is_contiguous()
@@ -207,7 +214,8 @@ class TorchSDPAImpl:
             k, v = kv[0], kv[1]
         else:
             k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kvh, head]
-        if md.decode_common_len is not None and self.sliding_window is None and self.soft_cap is None:
+        plain = self.soft_cap is None and self.sinks is None  # SDPA computes it
+        if md.decode_common_len is not None and self.sliding_window is None and plain:
             # NOTE: all contexts end at the same position (single-stream decode): cut the gathered blocks to
             # it and attend without a mask (no mask to build or read; SDPA takes its unmasked path).
             length = md.decode_common_len
@@ -225,7 +233,7 @@ class TorchSDPAImpl:
             valid = valid & (
                 md.decode_key_positions[None, :] >= md.decode_seq_lens[:, None] - self.sliding_window
             )
-        if self.soft_cap is None:
+        if plain:
             # NOTE: SDPA reads the gathered K/V through strides (no permute copies) and handles GQA itself:
             # ~2.4x faster on the CPU than the einsum form below, which soft-capping still needs.
             out = F.scaled_dot_product_attention(
@@ -239,9 +247,11 @@ class TorchSDPAImpl:
             return out.reshape(num_decodes, self.num_heads, self.head_size)
         q = query.float().reshape(num_decodes, self.num_kv_heads, self.group, self.head_size)
         scores = torch.einsum("dkgh,dlkh->dkgl", q, k) * self.scale
-        scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
+        if self.soft_cap is not None:
+            scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        # Query head h = kv head * group + g: the sinks line up with the [kv heads, group] axes.
+        probs = self._softmax(scores, None if self.sinks is None else self.sinks.view(self.num_kv_heads, self.group, 1))
         out = torch.einsum("dkgl,dlkh->dkgh", probs, v)
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
@@ -254,21 +264,33 @@ class TorchSDPAImpl:
         mask = seg.causal_mask
         if self.sliding_window is not None:
             mask = mask & (seg.key_positions[None, :] > seg.query_positions[:, None] - self.sliding_window)
-        if self.soft_cap is None:
+        if self.soft_cap is None and self.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
-            # SDPA has no soft-cap: spell the attention out.
+            # SDPA has neither soft-cap nor sinks: spell the attention out.
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-            scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            if self.soft_cap is not None:
+                scores = self.soft_cap * torch.tanh(scores / self.soft_cap)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = self._softmax(scores, None if self.sinks is None else self.sinks.view(self.num_heads, 1, 1))
             out = torch.matmul(probs, v)
         return out.transpose(0, 1)  # [n, heads, head]
 
+    @staticmethod
+    def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax over the last axis; with sinks (broadcast to scores[..., :1]) over [scores | sink], the
+        sink's column dropped (the module docstring)."""
+        if sinks is None:
+            return torch.softmax(scores, dim=-1)
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
 
 class TorchSDPABackend:
-    """Reference backend: any device, any dtype torch supports, sliding window and soft-cap included."""
+    """Reference backend: any device, any dtype torch supports, sliding window, soft-cap and sinks included."""
 
     name: ClassVar[str] = "torch"
+    supports_sinks: ClassVar[bool] = True  # AttentionLayerConfig.sinks (the module docstring)
 
     @staticmethod
     def kv_cache_shape(

@@ -69,6 +69,8 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"dtype {ctx.dtype} not supported")
     if ctx.head_size > 256:
         reasons.append(f"head size {ctx.head_size} > 256")
+    if ctx.sinks:
+        reasons.append("attention sinks not supported (the kernels have no sink term)")
     return reasons
 
 

@@ -47,7 +47,7 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the transformers baseline")
     w.add_argument("--hf-max-prompts", type=int, default=None,
                    help="run the transformers baseline on only the first N prompts (it is slow)")
-    w.add_argument("--plot", metavar="PNG", help="bar chart of output tok/s (needs matplotlib)")
+    w.add_argument("--plot", metavar="PNG", help="figure of the rates per engine with ratios (.png, .svg or .pdf; needs pagedllm[plot])")
     _add_common(tp)
     add_engine_args(tp)
     tp.set_defaults(func=_run_throughput)
@@ -63,7 +63,8 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--compare-quantization", nargs="+", default=[], metavar="METHOD",
                    help="also run our engine with these quantization methods (e.g. none: a GGUF dequantized at "
                         "load), each in its own process so its RSS is its own")
-    w.add_argument("--plot", metavar="PNG", help="TTFT and inter-token latency distributions (needs matplotlib)")
+    w.add_argument("--plot", metavar="PNG", help="TTFT and inter-token latency distributions, decode tok/s with ratios (.png, .svg or .pdf; "
+                   "needs pagedllm[plot])")
     _add_common(lat)
     add_engine_args(lat)
     lat.set_defaults(func=_run_latency)
@@ -85,7 +86,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from pagedllm.plugins.commands.bench.serve_load import run_serve_cli
 
-    return run_serve_cli(args)
+    return _reporting_workload_errors(run_serve_cli, args)
 
 
 def _run_latency(args: argparse.Namespace) -> int:
@@ -96,10 +97,11 @@ def _run_latency(args: argparse.Namespace) -> int:
 
 def _reporting_workload_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """A workload the engine cannot run is a usage error (exit 2 with the reason), not a traceback."""
+    from pagedllm.plugins.commands.bench.plots import PlotError
     from pagedllm.plugins.commands.bench.workloads import WorkloadError
 
     try:
         return run(args)
-    except WorkloadError as exc:
+    except (WorkloadError, PlotError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.plugins.commands.bench import report
+from pagedllm.plugins.commands.bench import plots, report
 from pagedllm.plugins.commands.bench.report import OURS, Result, gaps, latency_result
 from pagedllm.plugins.commands.bench.target import BenchTarget, kv_delta, load_average, thread_count
 from pagedllm.plugins.commands.bench.workloads import Workload, WorkloadError, allowed_token_ids, check_fits
@@ -73,13 +73,13 @@ def run_ours(
             itls += gaps(m.token_times)
     res = latency_result(ttfts, itls, e2e, len(iterations[0]), len(iterations[0][0]), output_len)
     res["kv"] = kv_delta(before, target.kv_stats())
-    # Raw times for --plot; popped before the JSON is written (thousands of numbers per run).
-    res["_samples"] = {"ttft_ms": [1e3 * t for t in ttfts], "itl_ms": [1e3 * t for t in itls]}
     return res
 
 
 def run_latency_cli(args: argparse.Namespace) -> int:
     """Entry point of `pagedllm bench latency`; returns the exit status."""
+    if args.plot:
+        plots.require_matplotlib(args.plot)  # before the engine loads: a missing matplotlib costs no run
     load_before = load_average()
     target = BenchTarget.from_args(args)
     threads = thread_count()
@@ -116,7 +116,7 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     if args.json_out:
         report.write_json(args.json_out, out)
     if args.plot:
-        report.plot_latency(args.plot, samples)
+        plots.plot_latency(args.plot, samples, out)
     return 0
 
 

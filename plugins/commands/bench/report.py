@@ -1,4 +1,4 @@
-"""Benchmark reports: the machine, summary statistics, a printed table, JSON and an optional plot."""
+"""Benchmark reports: the machine, summary statistics, a printed table and JSON (the figures: plots.py)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,8 @@ def latency_result(
         "prefill_tok_per_s": batch * input_len / (ttft["mean"] / 1e3),  # the batch's prompts over its TTFT
         "output_tok_per_s": batch * output_len / mean_e2e,
         "num_iters": len(e2e),
+        # Raw times for --plot (plots.py), every engine's alike; popped before the JSON is written.
+        "_samples": {"ttft_ms": [t * 1e3 for t in ttfts], "itl_ms": [t * 1e3 for t in itls]},
     }
 
 
@@ -164,58 +166,4 @@ def write_json(path: str, report: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2, sort_keys=False, default=str)
         f.write("\n")
-    print(f"wrote {path}")
-
-
-def _pyplot(path: str) -> Any:
-    """matplotlib's pyplot on a file-only backend, or None (with a message) when it is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never open a window
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot skipped: matplotlib is not installed (pip install matplotlib) for {path}")
-        return None
-    return plt
-
-
-def plot_bars(path: str, results: dict[str, Result], key: str, label: str) -> None:
-    """Bar chart of `key` per engine; skipped (with a message) when matplotlib is not installed."""
-    plt = _pyplot(path)
-    if plt is None:
-        return
-    names = [n for n, r in results.items() if isinstance(r.get(key), (int, float))]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(names)), 3.5))
-    ax.bar(names, [results[n][key] for n in names], color="tab:blue")
-    ax.set_ylabel(label)
-    ax.set_title(label)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
-
-
-def plot_latency(path: str, samples: dict[str, dict[str, list[float]]]) -> None:
-    """Latency distributions per engine: TTFT and inter-token latency as empirical CDFs (milliseconds).
-
-    :param samples: engine -> {"ttft_ms": [...], "itl_ms": [...]}, the raw per-request / per-token times.
-    """
-    plt = _pyplot(path)
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.5))
-    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
-        for name, data in samples.items():
-            values = sorted(data.get(key, []))
-            if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction <= x")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
     print(f"wrote {path}")

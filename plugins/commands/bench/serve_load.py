@@ -187,6 +187,9 @@ def summarize(cfg: ServeLoadConfig, results: list[RequestResult], duration: floa
         "ttft_s": _pcts([r.ttft for r in ok]),
         "itl_s": _pcts([x for r in ok for x in r.itls]),
         "e2e_s": _pcts([r.e2e for r in ok]),
+        # Raw times for --plot (plots.py); popped before the JSON is written.
+        "_samples": {"ttft_ms": [r.ttft * 1e3 for r in ok], "itl_ms": [x * 1e3 for r in ok for x in r.itls],
+                     "e2e_ms": [r.e2e * 1e3 for r in ok]},
     }
 
 
@@ -219,9 +222,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the summary as JSON to this file")
+    p.add_argument("--plot", metavar="FILE", help="TTFT, inter-token and end-to-end latency distributions "
+                   "(.png, .svg or .pdf; needs pagedllm[plot])")
 
 
 def run_serve_cli(args: argparse.Namespace) -> int:
+    from pagedllm.plugins.commands.bench import plots
+
+    if args.plot:
+        plots.require_matplotlib(args.plot)  # before the load runs: a missing matplotlib costs no run
     cfg = ServeLoadConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
@@ -229,8 +238,11 @@ def run_serve_cli(args: argparse.Namespace) -> int:
         api_key=args.api_key, seed=args.seed,
     )
     summary = asyncio.run(run_load(cfg))
+    samples = summary.pop("_samples")
     print(format_report(summary))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(summary, f, indent=2)
+    if args.plot:
+        plots.plot_serve(args.plot, samples, summary)
     return 0 if summary["failed"] == 0 else 1

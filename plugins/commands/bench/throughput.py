@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.plugins.commands.bench import report
+from pagedllm.plugins.commands.bench import plots, report
 from pagedllm.plugins.commands.bench.report import OURS, Result
 from pagedllm.plugins.commands.bench.target import BenchTarget, kv_delta, load_average, thread_count
 from pagedllm.plugins.commands.bench.workloads import (
@@ -108,6 +108,8 @@ def run_llamacpp(args: argparse.Namespace, target: BenchTarget, workload: Worklo
 
 def run_throughput_cli(args: argparse.Namespace) -> int:
     """Entry point of `pagedllm bench throughput`; returns the exit status."""
+    if args.plot:
+        plots.require_matplotlib(args.plot)  # before the engine loads: a missing matplotlib costs no run
     load_before = load_average()
     target = BenchTarget.from_args(args)
     threads = thread_count()
@@ -142,5 +144,5 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     if args.json_out:
         report.write_json(args.json_out, out)
     if args.plot:
-        report.plot_bars(args.plot, results, "output_tok_per_s", "output tokens/s")
+        plots.plot_throughput(args.plot, out)
     return 0

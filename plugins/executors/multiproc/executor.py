@@ -9,6 +9,9 @@
           output) once, put in every inbox ──▶ inbox.get(); adopt rank 0's tokens; runner.execute()
           run rank 0's runner          ◀─────▶ (they meet in the model's all-reduces / all-gathers)
           return rank 0's output
+    pipeline parallelism (N = tp x pp):        the last stage's tp rank 0 puts ("output", r, output)
+          launch_model / collect_model ◀────   on the outbox; steps in flight come back in launch order
+          (tp_worker.py NOTE 4)
     pipelined step (async scheduling): the
           same, without `previous`      ──▶    runner.execute_pipelined() (rank 0's ids come by broadcast)
     shutdown: None to every inbox; drop
@@ -22,6 +25,9 @@ one. Workers are themselves daemonic and also exit on their own when their paren
 NOTE 3: a worker that dies between steps is found before the next step is sent (`is_alive`); one that dies
 inside a collective makes rank 0's collective fail (gloo: connection closed; else the group timeout), and
 the error raised names the rank and carries its traceback when it managed to send one.
+NOTE 4: and a monitor thread (as vLLM's `start_worker_monitor`) waits on the workers' sentinels from `bind` on,
+calling the failure callback the moment one exits: the engine core's watchdog ends a step that a dead peer
+would otherwise hold inside an NCCL collective until the group timeout (engine/rank_watchdog.py).
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
+import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pagedllm.api.executor import (
@@ -57,12 +65,15 @@ class MultiprocExecutor(Rank0Driver):
     def __init__(self, ctx: ExecutorContext) -> None:
         self.config = ctx.config
         self.tp_size = ctx.tp_size
+        self.pp_size = ctx.pp_size
+        self.world_size = ctx.world_size  # ranks 1..world_size-1 are workers (tp x pp, global rank order)
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._outbox: Any = None
         self._runner: Any = None
         self._previous: ModelRunnerOutput | None = None
         self._closed = False
+        self._failure_callback: Callable[[str], None] | None = None
 
     def start(self) -> None:
         from pagedllm.api.engine import resolve_device
@@ -72,7 +83,7 @@ class MultiprocExecutor(Rank0Driver):
         self._outbox = mp.Queue()
         config_dict = self.config.model_dump()
         with _children_allowed():
-            for rank in range(1, self.tp_size):
+            for rank in range(1, self.world_size):
                 inbox = mp.Queue()
                 proc = mp.Process(
                     target=run_tp_worker,
@@ -83,12 +94,12 @@ class MultiprocExecutor(Rank0Driver):
                 proc.start()
                 self._procs.append(proc)
                 self._inboxes.append(inbox)
-        init_tensor_parallel(0, self.tp_size, master_addr=addr, master_port=port,
-                             device=resolve_device(self.config.device))
+        init_tensor_parallel(0, self.world_size, master_addr=addr, master_port=port,
+                             device=resolve_device(self.config.device), pipeline_parallel_size=self.pp_size)
 
     def bind(self, runner: Any) -> None:
         self._runner = runner
-        waiting = set(range(1, self.tp_size))
+        waiting = set(range(1, self.world_size))
         while waiting:
             try:
                 kind, rank, detail = self._outbox.get(timeout=_POLL_S)
@@ -98,11 +109,39 @@ class MultiprocExecutor(Rank0Driver):
             if kind == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to build its shard:\n{detail}")
             waiting.discard(rank)
+        if self._procs:
+            threading.Thread(target=self._monitor, name="pagedllm-tp-monitor", daemon=True).start()
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        self._failure_callback = callback
+
+    def _monitor(self) -> None:
+        """NOTE 4: block until a worker exits; unless we are shutting down, tell the failure callback."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        callback = self._failure_callback
+        if self._closed or callback is None:
+            return
+        # Not `is_alive()`/`exitcode` here: waitpid from two threads races (the loop's check_health reaps it).
+        ranks = ", ".join(f"{r} (pid {p.pid})" for r, p in enumerate(self._procs, start=1) if p.sentinel in ended)
+        callback(f"tensor-parallel rank {ranks} died")
 
     def _send(self, message: bytes) -> None:
         self.check_health()
         for inbox in self._inboxes:
             inbox.put(message)
+
+    def _output_rank_result(self) -> ModelRunnerOutput:
+        """The last pipeline stage's output of this step, from its worker's outbox (tp_worker.py NOTE 4)."""
+        while True:
+            try:
+                kind, rank, detail = self._outbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.check_health()
+                continue
+            if kind == "output":
+                return detail  # type: ignore[no-any-return]
+            if kind == "error":
+                raise WorkerDiedError(f"pipeline-parallel rank {rank} failed:\n{detail}")
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -126,13 +165,20 @@ class MultiprocExecutor(Rank0Driver):
 
     def _failure(self, exc: Exception) -> Exception:
         """Rank 0's step failed: most often because a peer died in the collective (NOTE 3)."""
-        dead = [r for r, p in enumerate(self._procs, start=1) if not p.is_alive()]
-        detail = self._worker_errors(wait_s=1.0)
+        # A killed peer's sockets close (failing our collective) together with its sentinel, a moment before
+        # the kernel lets its exit be reaped (is_alive() is still True then): go by the sentinels, waiting
+        # briefly, and join the dead (a blocking reap of a process already exiting) for their exit codes.
+        ended = multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=2.0)
+        dead = [r for r, p in enumerate(self._procs, start=1) if p.sentinel in ended]
+        for r in dead:
+            self._procs[r - 1].join(timeout=1.0)
+        detail = self._worker_errors(wait_s=0.5 if dead else 0.0)
         if not dead and not detail:
             return exc
-        ranks = ", ".join(map(str, dead)) or "?"
+        ranks = ", ".join(f"{r} (pid {self._procs[r - 1].pid}, exit code {self._procs[r - 1].exitcode})"
+                          for r in dead) or "?"
         return WorkerDiedError(
-            f"tensor-parallel step failed ({type(exc).__name__}: {exc}); dead rank(s): {ranks}"
+            f"tensor-parallel rank {ranks} died during a step ({type(exc).__name__}: {exc})"
             + (f"\n{detail}" if detail else "")
         )
 
@@ -205,7 +251,9 @@ def run_tp_worker(
                 continue
             if message is None:
                 return
-            worker.execute(message)
+            output = worker.execute(message)
+            if output is not None:  # the last pipeline stage's output rank (tp_worker.py NOTE 4)
+                outbox.put(("output", rank, output))
     except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None

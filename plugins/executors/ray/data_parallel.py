@@ -72,9 +72,10 @@ class RayDataParallelCore:
         from pagedllm.api.engine import resolve_device
 
         parallel = config.parallel
-        tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
+        dp = parallel.data_parallel_size
+        tp = parallel.tensor_parallel_size * parallel.pipeline_parallel_size  # every rank of a replica
         gpu = resolve_device(config.device).type == "cuda"
-        # A replica is a one-replica engine; its tp ranks (if any) are Ray actors in the replica's group.
+        # A replica is a one-replica engine; its tp x pp ranks (if any) are Ray actors in the replica's group.
         replica_config = config.model_copy(deep=True)
         replica_config.parallel.data_parallel_size = 1
         replica_config.parallel.executor = "ray" if tp > 1 else None

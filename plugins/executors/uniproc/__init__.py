@@ -17,6 +17,8 @@ def _check(parallel: ExecutorCheckContext) -> list[str]:
     reasons = []
     if parallel.tensor_parallel_size != 1:
         reasons.append(f"runs one rank; parallel.tensor_parallel_size is {parallel.tensor_parallel_size}")
+    if parallel.pipeline_parallel_size != 1:
+        reasons.append(f"runs one rank; parallel.pipeline_parallel_size is {parallel.pipeline_parallel_size}")
     if parallel.data_parallel_size != 1:
         reasons.append(f"runs one replica; parallel.data_parallel_size is {parallel.data_parallel_size}")
     return reasons

@@ -16,6 +16,8 @@ class UniprocExecutor:
     def __init__(self, ctx: ExecutorContext) -> None:
         if ctx.tp_size != 1:
             raise ValueError(f"uniproc executor: parallel.tensor_parallel_size must be 1, not {ctx.tp_size}")
+        if ctx.pp_size != 1:
+            raise ValueError(f"uniproc executor: parallel.pipeline_parallel_size must be 1, not {ctx.pp_size}")
         self._runner: Any = None
 
     def start(self) -> None:

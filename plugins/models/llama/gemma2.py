@@ -165,6 +165,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     model_cls: ClassVar[Callable[..., nn.Module]] = Gemma2Model
     tie_word_embeddings_default: ClassVar[bool] = True
     derived_buffers: ClassVar[tuple[str, ...]] = _DERIVED_BUFFERS
+    supports_pipeline_parallel: ClassVar[bool] = False  # Gemma2Model builds every layer on every rank
 
     def __init__(self, ctx: ModelBuildContext) -> None:
         super().__init__(ctx)

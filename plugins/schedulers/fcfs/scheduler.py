@@ -23,6 +23,8 @@ class FCFSScheduler(SchedulerBase):
     # Running requests go by num_tokens_with_spec and skip ends_in_flight; a waiting request with a token in
     # flight is not admitted until it lands.
     supports_async_scheduling = True
+    # With hold_in_flight (pipeline parallelism) a running request with a sample in flight waits for it.
+    supports_pipeline_batches = True
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -33,16 +35,17 @@ class FCFSScheduler(SchedulerBase):
         #    at every step, so the checks are written out on the request's fields (ends_in_flight and
         #    num_tokens_with_spec, without their calls).
         running, allocate_slots, max_model_len = self.running, self.kv.allocate_slots, self.max_model_len
+        hold, cap = self.hold_in_flight, self.batch_request_cap or self.config.max_num_seqs
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(num_scheduled) < cap:
             req = running[i]
             pending = req.num_output_placeholders
             num_outputs = len(req.output_token_ids) + pending
             num_tokens = len(req.prompt_token_ids) + num_outputs  # known and in flight
             if pending:  # ends_in_flight(req), written out
                 max_tokens = req.sampling_params.max_tokens
-                if (max_tokens is not None and num_outputs >= max_tokens) or num_tokens >= max_model_len:
-                    i += 1  # async scheduling: its last token is being sampled now
+                if hold or (max_tokens is not None and num_outputs >= max_tokens) or num_tokens >= max_model_len:
+                    i += 1  # async scheduling: its last token is being sampled now (or, held, any token)
                     continue
             # Draft tokens (speculative decoding) ride along: they cost budget and KV slots like any token.
             num_new = num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
@@ -70,23 +73,28 @@ class FCFSScheduler(SchedulerBase):
         headroom = self.config.admission_headroom_tokens
         admitting = self.waiting and not preempted_now and len(self.running) < self.config.max_num_seqs
         reserved = self.headroom_blocks(headroom) if headroom and admitting else 0
-        while self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < cap):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted while a step in flight samples for it: its token lands with the next update
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_computed
+            # Blocks a KV connector holds past the device hit are loaded, not computed: they get slots now.
+            external = self.external_prefix_hit(req, num_computed) if self.kv_connector is not None else 0
+            num_new = req.num_tokens - num_computed - external
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            own = self.growth_blocks(req, headroom, num_computed + num_new) if headroom else 0
+            own = self.growth_blocks(req, headroom, num_computed + external + num_new) if headroom else 0
             # With nothing running the request is admitted whatever its growth: something must make progress.
             reserve = reserved + own if self.running else 0
-            if self.kv.allocate_slots(req, num_new, num_computed, computed_blocks, reserve) is None:
+            if self.kv.allocate_slots(req, external + num_new, num_computed, computed_blocks, reserve) is None:
                 break
             reserved += own
             self.waiting.popleft()
-            self._admit(req, num_computed)
+            if external:
+                self.admit_external(req, num_computed, external)
+            self._admit(req, num_computed + external)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
