@@ -97,13 +97,13 @@ def test_a_prefix_hit_needs_the_sink_blocks_and_the_window() -> None:
 
 
 def test_the_engine_gives_sink_specs_to_the_sink_manager() -> None:
-    from pagedllm.engine.builder import _select_kv_manager
+    from pagedllm.engine.kv_plan import select_kv_manager
     from pagedllm.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()
-    assert _select_kv_manager(pm, SPEC).winner.name == "sink"
+    assert select_kv_manager(pm, SPEC).winner.name == "sink"
     plain = SlidingWindowSpec(BLOCK, 1, 8, torch.float32, sliding_window=WINDOW)
-    assert _select_kv_manager(pm, plain).winner.name == "sliding_window"
+    assert select_kv_manager(pm, plain).winner.name == "sliding_window"
     with pytest.raises(ValueError, match="SinkSlidingWindowSpec"):
         SinkWindowManager(plain, BlockPool(8, enable_caching=False), 0)
 
