@@ -5,8 +5,10 @@ Packages are installed as tests/test_example_plugins.py installs its example: pi
 index, no build isolation, no dependencies) into a temporary `--target` folder, which the subprocesses get
 on PYTHONPATH. The shared virtual environment is never touched, so "uninstalling" is dropping the folder.
 
-Every kind's install-and-run case takes ~15 s, so only scheduler, attention and executor run in the default
-suite; the others are marked slow. The rest of the file (names, folders, rendering, lint) takes about a second.
+Every kind's package is generated and installed once for the module (one pip call), listed by one
+`pagedllm plugins --json`, and the packages' own tests run in one pytest process; each kind's case then
+runs its engine with the allow-list (`PAGEDLLM_PLUGINS`) naming its distribution alone, so no other
+starter package takes part. A subprocess per kind and stage cost ~15 s a kind (most of the file's time).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import yaml
@@ -101,9 +105,47 @@ def _generate(kind: str, name: str, root: Path) -> None:
     assert main(["plugin", "new", kind, name, str(root)]) == 0
 
 
-def _install(root: Path, site: Path) -> None:
+def _install(roots: list[Path], site: Path) -> None:
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-          "--disable-pip-version-check", "--quiet", "--target", str(site), str(root)], _env())
+          "--disable-pip-version-check", "--quiet", "--target", str(site), *map(str, roots)], _env())
+
+
+@pytest.fixture(scope="module")
+def starters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Package]:
+    """Every kind's package, generated and installed into one site folder."""
+    base = tmp_path_factory.mktemp("starters")
+    site = base / "site"
+    packages: dict[str, Package] = {}
+    for kind in plugin_cmd.STARTERS:
+        name = f"my_{kind}"
+        _generate(kind, name, base / kind)
+        component = name if kind != "model" else "".join(p.capitalize() for p in name.split("_")) + "ForCausalLM"
+        packages[kind] = Package(kind, name, base / kind, site, component, f"pagedllm-{name.replace('_', '-')}")
+    _install([p.root for p in packages.values()], site)
+    return packages
+
+
+@pytest.fixture(scope="module")
+def listing(starters: dict[str, Package]) -> dict[str, Any]:
+    """`pagedllm plugins --json` with every starter package installed."""
+    site = next(iter(starters.values())).site
+    return dict(json.loads(_run([sys.executable, "-m", "pagedllm.cli.main", "plugins", "--json"], _env(site)).stdout))
+
+
+@pytest.fixture(scope="module")
+def own_tests(starters: dict[str, Package], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Counter[str]]:
+    """Each package's own test file -> its outcomes ("passed", "failed", "skipped", ...), from one pytest run."""
+    site = next(iter(starters.values())).site
+    report = tmp_path_factory.mktemp("own") / "junit.xml"
+    # importlib mode: every package's tests folder holds a conftest.py, and none is a Python package.
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+                    f"--junitxml={report}", *(str(p.root / "tests") for p in starters.values())],
+                   env=_env(site), capture_output=True, text=True, timeout=900)
+    outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        verdict = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        outcomes[case.get("classname", "").rsplit(".", 1)[-1]][verdict] += 1
+    return outcomes
 
 
 @pytest.fixture(scope="module")
@@ -151,22 +193,18 @@ def _checkpoint_for(package: Package, tiny_model: str, tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("kind", KIND_CASES)
 def test_the_generated_package_installs_is_selected_and_passes_its_tests(
-    kind: str, tmp_path: Path, tiny_model: str, baseline: list[list[int]]
+    kind: str, tmp_path: Path, tiny_model: str, baseline: list[list[int]], starters: dict[str, Package],
+    listing: dict[str, Any], own_tests: dict[str, Counter[str]],
 ) -> None:
-    name = f"my_{kind}"
-    root, site = tmp_path / "src", tmp_path / "site"
-    _generate(kind, name, root)
-    _install(root, site)
-    component = name if kind != "model" else "".join(p.capitalize() for p in name.split("_")) + "ForCausalLM"
-    package = Package(kind, name, root, site, component, f"pagedllm-{name.replace('_', '-')}")
-    env = _env(site)
+    package = starters[kind]
+    name, root, component = package.name, package.root, package.component
+    env = _env(package.site, PAGEDLLM_PLUGINS=package.dist)
 
     # 1. Discovered, with its distribution, by `pagedllm plugins --json`.
-    listed = json.loads(_run([sys.executable, "-m", "pagedllm.cli.main", "plugins", "--json"], env).stdout)
-    mine = [c for c in listed["components"] if c["name"] == component]
+    mine = [c for c in listing["components"] if c["name"] == component]
     assert [(c["kind"], c["distribution"], c["version"]) for c in mine] == [
         (plugin_cmd.STARTERS[kind].kind.value, package.dist, "0.1.0")], mine
-    assert [p["status"] for p in listed["plugins"] if p["distribution"] == package.dist] == ["loaded"]
+    assert [p["status"] for p in listing["plugins"] if p["distribution"] == package.dist] == ["loaded"]
 
     # 2. Selected from a YAML file (the generated engine.yaml's selection, where the kind has a config key),
     #    it generates the in-tree default's greedy tokens.
@@ -204,9 +242,8 @@ def test_the_generated_package_installs_is_selected_and_passes_its_tests(
         _check_selected_and_greedy(package, config, env, baseline)
 
     # 3. Its own tests pass, every one of them (none skipped).
-    own = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], env, cwd=root)
     count = len(re.findall(r"^def test_", (root / "tests" / f"test_{name}.py").read_text(), re.MULTILINE))
-    assert re.search(rf"\b{count} passed\b", own.stdout) and "skipped" not in own.stdout, own.stdout
+    assert own_tests[f"test_{name}"] == Counter(passed=count), own_tests[f"test_{name}"]
 
 
 def _check_selected_and_greedy(package: Package, config: Path, env: dict[str, str], baseline: list[list[int]]) -> None:
@@ -227,7 +264,7 @@ def test_the_generated_test_fails_when_the_policy_breaks(tmp_path: Path) -> None
         assert fcfs in text
         text = text.replace(fcfs, lifo)
     policy.write_text(text)
-    _install(root, site)
+    _install([root], site)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k", "first_come_first_served"],
         env=_env(site), cwd=root, capture_output=True, text=True, timeout=300,
