@@ -107,8 +107,9 @@ def test_default_table_and_override() -> None:
     from pagedllm.layers.moe_kernel_config import DEFAULT_TABLE, MoeKernelConfig, config_for, override_config
 
     assert config_for(1, 2, 8).block_m == 16  # decode: 0.25 rows an expert
-    assert config_for(128, 2, 8).block_m == 32  # 32 rows an expert
-    assert config_for(64, 4, 32).block_m == 16  # gpt-oss-20b at 64 tokens: 8 rows an expert
+    assert config_for(128, 2, 8).block_m == 64  # 32 rows an expert
+    assert config_for(64, 4, 32).block_m == 32  # gpt-oss-20b at 64 tokens: 8 rows an expert
+    assert config_for(16, 4, 32).block_m == 16  # gpt-oss-20b at 16 tokens: 2 rows an expert
     assert config_for(4096, 2, 8) == DEFAULT_TABLE[-1][1]
     forced = MoeKernelConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2)
     with override_config(forced):

@@ -14,12 +14,17 @@ re-reads each expert's weights once per block. vLLM keys its tuned tables by the
 instead; ours has one table for every shape, so it keys by the quantity that shape-independently sets the
 padding.
 
-NOTE 2 (the values): taken from the shape of vLLM's tuned H200 table for Mixtral bf16
-(configs/E=8,N=14336,device_name=NVIDIA_H200.json): decode-sized groups use BLOCK_M 16 with wide K tiles
-(the weights stream once, the tensor cores idle anyway), large groups 128 x 256 tiles with 8 warps. BLOCK_N
-counts the gate/up kernel's two halves together (fused_moe_triton NOTE 2), so its register and shared-memory
-footprint equals vLLM's w13 GEMM tile of the same numbers. Shared memory stays under the H200's 227 KB:
-stages * (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * 2 bytes <= 148 KB for every row below.
+NOTE 2 (the values): measured, not guessed. `examples/gpu/bench_fused_moe.py --sweep` timed ten tile
+configs (CUDA-graph replays, H200, bf16) on Mixtral (E=8, K=2) and gpt-oss-20b (E=32, K=4) at 1-256 tokens,
+and each row below is the config within noise of the fastest at every measured rows-per-expert inside its
+bound: BLOCK_M 16 with wide K tiles up to 2 rows an expert (the weights stream once; the tensor cores idle
+anyway), BLOCK_M 32 up to 16 (Mixtral at 64 tokens: 675 us against 765 us with BLOCK_M 16), 64 x 256 tiles
+with 8 warps and a narrower down GEMM up to 48, 128 x 256 beyond (Mixtral at 256 tokens: 816 us against
+889 us with 64 x 128). Below ~1 row an expert the configs differ by less than the run-to-run noise (~5 %).
+The rows were then checked on MoE shapes the sweep never saw (docs/benchmarks.md, "Fused MoE on the H200").
+BLOCK_N counts the gate/up kernel's two halves together (fused_moe_triton NOTE 2), so its register and
+shared-memory footprint equals vLLM's w13 GEMM tile of the same numbers. Shared memory stays under the
+H200's 227 KB: stages * (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * 2 bytes <= 148 KB for every row below.
 """
 
 from __future__ import annotations
@@ -58,10 +63,9 @@ class MoeKernelConfig:
 
 # (rows per expert at most, config); the last row takes everything larger (NOTE 2).
 DEFAULT_TABLE: tuple[tuple[float, MoeKernelConfig], ...] = (
-    (4, MoeKernelConfig(16, 128, 128, group_m=16, num_warps=4, num_stages=4)),
-    (16, MoeKernelConfig(16, 128, 128, group_m=16, num_warps=4, num_stages=3)),
-    (48, MoeKernelConfig(32, 128, 128, group_m=16, num_warps=4, num_stages=3)),
-    (96, MoeKernelConfig(64, 128, 128, group_m=8, num_warps=8, num_stages=3)),
+    (2, MoeKernelConfig(16, 128, 128, group_m=16, num_warps=4, num_stages=4)),
+    (16, MoeKernelConfig(32, 128, 128, group_m=16, num_warps=4, num_stages=3)),
+    (48, MoeKernelConfig(64, 256, 64, group_m=8, num_warps=8, num_stages=3, down_block_n=128)),
     (float("inf"), MoeKernelConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3)),
 )
 

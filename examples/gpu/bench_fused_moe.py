@@ -56,10 +56,15 @@ class Shape:
 SHAPES = {
     "mixtral": Shape("mixtral", 8, 2, 4096, 14336, "silu", False),
     "gpt-oss-20b": Shape("gpt-oss-20b", 32, 4, 2880, 2880, "swigluoai", True),
+    # Shapes the tile table was not swept on (moe_kernel_config NOTE 2): many small experts, high top-k.
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 128, 8, 2048, 768, "silu", False),
+    "deepseek-v2-lite": Shape("deepseek-v2-lite", 64, 6, 2048, 1408, "silu", False),
 }
 DRY_SHAPES = {  # the same routing shapes with tiny matrices, for the CPU
     "mixtral": Shape("mixtral", 8, 2, 64, 48, "silu", False),
     "gpt-oss-20b": Shape("gpt-oss-20b", 32, 4, 48, 40, "swigluoai", True),
+    "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 128, 8, 32, 24, "silu", False),
+    "deepseek-v2-lite": Shape("deepseek-v2-lite", 64, 6, 32, 24, "silu", False),
 }
 GRAPH_CALLS = 10
 # --sweep candidates: (block_m, block_n, block_k, group_m, num_warps, num_stages, down_block_n)
