@@ -106,11 +106,14 @@ def test_align_invariants(interp: dict[str, Any], case: str) -> None:
 def test_default_table_and_override() -> None:
     from pagedllm.layers.moe_kernel_config import DEFAULT_TABLE, MoeKernelConfig, config_for, override_config
 
+    # BLOCK_M: the largest power of two at most twice the mean rows per expert, within 16..128.
     assert config_for(1, 2, 8).block_m == 16  # decode: 0.25 rows an expert
+    assert config_for(64, 4, 32).block_m == 16  # gpt-oss-20b at 64 tokens: 8 rows an expert
+    assert config_for(64, 2, 8).block_m == 32  # Mixtral at 64 tokens: 16 rows an expert
+    assert config_for(256, 6, 64).block_m == 32  # DeepSeek-V2-Lite at 256 tokens: 24 rows an expert
     assert config_for(128, 2, 8).block_m == 64  # 32 rows an expert
-    assert config_for(64, 4, 32).block_m == 32  # gpt-oss-20b at 64 tokens: 8 rows an expert
-    assert config_for(16, 4, 32).block_m == 16  # gpt-oss-20b at 16 tokens: 2 rows an expert
-    assert config_for(4096, 2, 8) == DEFAULT_TABLE[-1][1]
+    assert config_for(4096, 2, 8) == DEFAULT_TABLE[128]
+    assert all(block_m == cfg.block_m for block_m, cfg in DEFAULT_TABLE.items())
     forced = MoeKernelConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2)
     with override_config(forced):
         assert config_for(1, 2, 8) == forced and config_for(4096, 2, 8) == forced
@@ -180,7 +183,7 @@ def test_kernels_compile_for_sm90() -> None:
         "                       options={'num_warps': warps, 'num_stages': stages})\n"
         "    assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
         "    return k\n"
-        "for _, cfg in (DEFAULT_TABLE[0], DEFAULT_TABLE[-1]):\n"
+        "for cfg in (DEFAULT_TABLE[16], DEFAULT_TABLE[128]):\n"
         "    tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,\n"
         "                 HAS_BIAS=True, DOT_PRECISION='tf32')\n"
         "    k1 = build(fm._gate_up_kernel, dict(tiles, TOP_K=4, ACT=2), cfg.num_warps, cfg.num_stages)\n"

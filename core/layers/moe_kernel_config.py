@@ -1,5 +1,5 @@
-"""Tile sizes for the fused-MoE Triton kernels (fused_moe_triton.py): a small table keyed by how many rows
-each expert gets on average, and a way to override it.
+"""Tile sizes for the fused-MoE Triton kernels (fused_moe_triton.py): a rule from how many rows each expert
+gets on average to BLOCK_M, a config per BLOCK_M, and a way to override them.
 
     config_for(tokens, top_k, num_experts)   the table's pick for one call
     with override_config(MoeKernelConfig(...)):   every fused_moe call inside uses that config instead
@@ -14,14 +14,17 @@ re-reads each expert's weights once per block. vLLM keys its tuned tables by the
 instead; ours has one table for every shape, so it keys by the quantity that shape-independently sets the
 padding.
 
-NOTE 2 (the values): measured, not guessed. `examples/gpu/bench_fused_moe.py --sweep` timed ten tile
-configs (CUDA-graph replays, H200, bf16) on Mixtral (E=8, K=2) and gpt-oss-20b (E=32, K=4) at 1-256 tokens,
-and each row below is the config within noise of the fastest at every measured rows-per-expert inside its
-bound: BLOCK_M 16 with wide K tiles up to 2 rows an expert (the weights stream once; the tensor cores idle
-anyway), BLOCK_M 32 up to 16 (Mixtral at 64 tokens: 675 us against 765 us with BLOCK_M 16), 64 x 256 tiles
-with 8 warps and a narrower down GEMM up to 48, 128 x 256 beyond (Mixtral at 256 tokens: 816 us against
-889 us with 64 x 128). Below ~1 row an expert the configs differ by less than the run-to-run noise (~5 %).
-The rows were then checked on MoE shapes the sweep never saw (docs/benchmarks.md, "Fused MoE on the H200").
+NOTE 2 (the rule and the values): measured, not guessed. `examples/gpu/bench_fused_moe.py --sweep` timed
+ten tile configs (CUDA-graph replays, H200, bf16) on four MoE shapes -- Mixtral (E=8, K=2, I=14336),
+gpt-oss-20b (E=32, K=4, I=2880), Qwen3-30B-A3B (E=128, K=8, I=768), DeepSeek-V2-Lite (E=64, K=6, I=1408) --
+at 1-256 tokens. At every point the fastest BLOCK_M (or one within noise of it) was the largest power of two
+at most twice the mean rows per expert: random routing spreads the rows, so a block about twice the mean
+holds a busy expert in one block (Mixtral at 64 tokens, 16 rows an expert: 675 us with BLOCK_M 32 against
+773 us with 16), while a block much larger than that multiplies padding rows (DeepSeek-V2-Lite at 256
+tokens, 24 rows an expert: 305 us with 32, 326 us with 64). Each BLOCK_M's other fields are its fastest
+companions in the same sweep: wide K tiles at 16 (the weights stream once; the tensor cores idle anyway),
+64 x 256 with 8 warps and a narrower down GEMM at 64, 128 x 256 at 128. The rule was then checked on MoE
+shapes it was not derived from (docs/benchmarks.md, "Fused MoE on the H200").
 BLOCK_N counts the gate/up kernel's two halves together (fused_moe_triton NOTE 2), so its register and
 shared-memory footprint equals vLLM's w13 GEMM tile of the same numbers. Shared memory stays under the
 H200's 227 KB: stages * (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * 2 bytes <= 148 KB for every row below.
@@ -61,13 +64,22 @@ class MoeKernelConfig:
             raise ValueError(f"MoeKernelConfig: group_m, num_warps and num_stages must be >= 1 ({self})")
 
 
-# (rows per expert at most, config); the last row takes everything larger (NOTE 2).
-DEFAULT_TABLE: tuple[tuple[float, MoeKernelConfig], ...] = (
-    (2, MoeKernelConfig(16, 128, 128, group_m=16, num_warps=4, num_stages=4)),
-    (16, MoeKernelConfig(32, 128, 128, group_m=16, num_warps=4, num_stages=3)),
-    (48, MoeKernelConfig(64, 256, 64, group_m=8, num_warps=8, num_stages=3, down_block_n=128)),
-    (float("inf"), MoeKernelConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3)),
-)
+# BLOCK_M -> the config launched with it (NOTE 2).
+DEFAULT_TABLE: dict[int, MoeKernelConfig] = {
+    16: MoeKernelConfig(16, 128, 128, group_m=16, num_warps=4, num_stages=4),
+    32: MoeKernelConfig(32, 128, 128, group_m=16, num_warps=4, num_stages=3),
+    64: MoeKernelConfig(64, 256, 64, group_m=8, num_warps=8, num_stages=3, down_block_n=128),
+    128: MoeKernelConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3),
+}
+
+
+def block_m_for(rows_per_expert: float) -> int:
+    """The largest power of two at most twice the mean rows an expert gets, within 16..128 (NOTE 2)."""
+    block_m = 16
+    while block_m < 128 and 2 * block_m <= 2 * rows_per_expert:
+        block_m *= 2
+    return block_m
+
 
 _OVERRIDE: ContextVar[MoeKernelConfig | None] = ContextVar("pagedllm_fused_moe_config", default=None)
 
@@ -78,8 +90,7 @@ def config_for(tokens: int, top_k: int, num_experts: int) -> MoeKernelConfig:
     forced = _OVERRIDE.get()
     if forced is not None:
         return forced
-    rows_per_expert = tokens * top_k / max(1, num_experts)
-    return next(cfg for bound, cfg in DEFAULT_TABLE if rows_per_expert <= bound)
+    return DEFAULT_TABLE[block_m_for(tokens * top_k / max(1, num_experts))]
 
 
 @contextmanager

@@ -22,7 +22,7 @@ decode step inside a CUDA graph pays). The loop reads counts back to the host, s
 Checked: max |x - loop| / max |loop| for ours and for vLLM, per row (bf16: expect ~1e-2 or below).
 Tuning: --config '{"block_m": 16, "block_n": 64, "block_k": 128, "down_block_n": 32}' runs ours with that
 MoeKernelConfig for every row; --sweep also times every config of SWEEP per row (graph time on the GPU) and
-prints the fastest, to carry into moe_kernel_config.DEFAULT_TABLE.
+prints the fastest, to check against moe_kernel_config (its rule and DEFAULT_TABLE, NOTE 2 there).
 """
 
 from __future__ import annotations
@@ -56,15 +56,19 @@ class Shape:
 SHAPES = {
     "mixtral": Shape("mixtral", 8, 2, 4096, 14336, "silu", False),
     "gpt-oss-20b": Shape("gpt-oss-20b", 32, 4, 2880, 2880, "swigluoai", True),
-    # Shapes the tile table was not swept on (moe_kernel_config NOTE 2): many small experts, high top-k.
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 128, 8, 2048, 768, "silu", False),
     "deepseek-v2-lite": Shape("deepseek-v2-lite", 64, 6, 2048, 1408, "silu", False),
+    # Shapes the tile rule was not derived from (moe_kernel_config NOTE 2), to check it on.
+    "phi-3.5-moe": Shape("phi-3.5-moe", 16, 2, 4096, 6400, "silu", False),
+    "qwen2-57b-a14b": Shape("qwen2-57b-a14b", 64, 8, 3584, 2560, "silu", False),
 }
 DRY_SHAPES = {  # the same routing shapes with tiny matrices, for the CPU
     "mixtral": Shape("mixtral", 8, 2, 64, 48, "silu", False),
     "gpt-oss-20b": Shape("gpt-oss-20b", 32, 4, 48, 40, "swigluoai", True),
     "qwen3-30b-a3b": Shape("qwen3-30b-a3b", 128, 8, 32, 24, "silu", False),
     "deepseek-v2-lite": Shape("deepseek-v2-lite", 64, 6, 32, 24, "silu", False),
+    "phi-3.5-moe": Shape("phi-3.5-moe", 16, 2, 32, 24, "silu", False),
+    "qwen2-57b-a14b": Shape("qwen2-57b-a14b", 64, 8, 32, 24, "silu", False),
 }
 GRAPH_CALLS = 10
 # --sweep candidates: (block_m, block_n, block_k, group_m, num_warps, num_stages, down_block_n)
