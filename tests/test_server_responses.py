@@ -17,7 +17,6 @@ every auto tool call here also shows that choice at work. So:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,12 +30,12 @@ pytest.importorskip("zmq")
 jsonschema = pytest.importorskip("jsonschema")
 
 import openai  # noqa: E402
-from test_server_support import LiveServer, live_server  # noqa: E402
-from tool_models import CALL, FORCED_TEXT, REASONING, make_tokenizer, make_tool_model, write_force_text_plugin  # noqa: E402
+from test_server_support import LiveServer  # noqa: E402
+from tool_models import CALL, FORCED_TEXT, REASONING, make_tokenizer  # noqa: E402
+from tool_server import MODEL, needs_structured, structured_backend, tool_model_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-tools"
 ASK = "What is the weather in Paris?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -58,42 +57,13 @@ FORECAST = {"type": "object", "properties": {
 CONTENT = FORCED_TEXT.split("</think>", 1)[1]
 
 
-def _structured_backend() -> bool:
-    from pagedllm.api import PluginKind
-    from pagedllm.api.engine import get_plugin_manager
-
-    return any(not c.missing_requirements() for c in get_plugin_manager().components(PluginKind.STRUCTURED_OUTPUT))
-
-
-needs_structured = pytest.mark.skipif(not _structured_backend(),
-                                      reason="no structured_output backend registered: the grammar is not enforced")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("responses")
-    model = make_tool_model(root)
-    site = root / "site"
-    site.mkdir()
-    write_force_text_plugin(site)
-    tok = make_tokenizer()
-    config = {
-        "model": model, "max_model_len": 2048, "logits_processors": ["force_text"],
-        "plugins": {"force_text": {"token_ids": tok(FORCED_TEXT, add_special_tokens=False).input_ids,
-                                   "eos_token_id": tok.eos_token_id},
-                    "openai": {"reasoning_parser": "deepseek_r1"}},
-    }
-    (root / "engine.json").write_text(json.dumps(config))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    mp.setenv("PAGEDLLM_TEST_SERVER_LOG_LEVEL", "info")  # the tool parser's choice is logged at info
-    # No --tool-call-parser: the template's <tool_call> makes it hermes (tool_parser_choice.py).
-    args = ["--config", str(root / "engine.json"), "--served-model-name", MODEL, "--enable-auto-tool-choice"]
-    try:
-        with live_server(args, str(root / "server.log")) as srv:
-            yield srv
-    finally:
-        mp.undo()
+    # No --tool-call-parser: the template's <tool_call> makes it hermes (tool_parser_choice.py), which is
+    # logged at info.
+    with tool_model_server(tmp_path_factory.mktemp("responses"), ["--enable-auto-tool-choice"],
+                           {"PAGEDLLM_TEST_SERVER_LOG_LEVEL": "info"}) as srv:
+        yield srv
 
 
 def test_the_tool_parser_was_chosen_from_the_template(server: LiveServer) -> None:
@@ -332,7 +302,7 @@ def test_langchain_on_the_responses_api(server: LiveServer) -> None:
     result = ToolMessage(get_weather.invoke(reply.tool_calls[0]["args"]), tool_call_id=reply.tool_calls[0]["id"])
     after = with_tools.invoke([question, reply, result])
     assert after.usage_metadata and after.usage_metadata["input_tokens"] > reply.usage_metadata["input_tokens"]
-    if not _structured_backend():
+    if not structured_backend():
         return
     from typing import Literal
 

@@ -33,12 +33,12 @@ pytest.importorskip("zmq")
 jsonschema = pytest.importorskip("jsonschema")
 
 import openai  # noqa: E402
-from test_server_support import LiveServer, live_server  # noqa: E402
-from tool_models import CALL, FORCED_TEXT, REASONING, make_tokenizer, make_tool_model, write_force_text_plugin  # noqa: E402
+from test_server_support import LiveServer  # noqa: E402
+from tool_models import CALL, FORCED_TEXT, REASONING, make_tokenizer, make_tool_model  # noqa: E402
+from tool_server import MODEL, needs_structured, tool_model_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-tools"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -54,41 +54,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _structured_backend() -> bool:
-    from pagedllm.api import PluginKind
-    from pagedllm.api.engine import get_plugin_manager
-
-    return any(not c.missing_requirements() for c in get_plugin_manager().components(PluginKind.STRUCTURED_OUTPUT))
-
-
-needs_structured = pytest.mark.skipif(not _structured_backend(),
-                                      reason="no structured_output backend registered: the grammar is not enforced")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("tools")
-    model = make_tool_model(root)
-    site = root / "site"
-    site.mkdir()
-    write_force_text_plugin(site)
-    tok = make_tokenizer()
-    config = {
-        "model": model, "max_model_len": 2048, "logits_processors": ["force_text"],
-        "plugins": {"force_text": {"token_ids": tok(FORCED_TEXT, add_special_tokens=False).input_ids,
-                                   "eos_token_id": tok.eos_token_id},
-                    "openai": {"reasoning_parser": "deepseek_r1"}},
-    }
-    (root / "engine.json").write_text(json.dumps(config))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    args = ["--config", str(root / "engine.json"), "--served-model-name", MODEL, "--tool-call-parser", "hermes",
-            "--enable-auto-tool-choice"]
-    try:
-        with live_server(args, str(root / "server.log")) as srv:
-            yield srv
-    finally:
-        mp.undo()
+    with tool_model_server(tmp_path_factory.mktemp("tools"), ["--tool-call-parser", "hermes",
+                                                               "--enable-auto-tool-choice"]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
