@@ -210,12 +210,23 @@ class EngineConfig(_Section):
     model: str | None = Field(None, description="model folder, .gguf file or alias; None = embedded default")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model's own")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: float32 on CPU, the checkpoint's half type on GPU"
+        "auto", description="auto: on the CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, else float32 "
+        "(GGUF kept quantized: float32; platform/cpu_compute.py); the checkpoint's half type on GPU",
+    )
+    cpu_kernels: Literal["auto", "quantized", "bf16"] = Field(
+        "auto",
+        description="GGUF weights kept quantized on the CPU: 'quantized' = gguf_cpu.c at every size (prefill and "
+        "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 16 rows run a bf16 GEMM on a "
+        "bf16 copy of the weights made at load (decode stays on the C kernels); auto: bf16 where the CPU has "
+        "AMX-BF16 or AVX512-BF16 and the copy takes at most half the available memory, else quantized",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="engine seed (dummy weights, unseeded sampling)")
     max_model_len: int | None = Field(None, ge=1, description="context length cap; None = the model's")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (None: one per physical core this process may run on, unless "
+        "OMP_NUM_THREADS is set)",
+    )
     enforce_eager: bool = Field(False, description="never capture CUDA graphs (decode runs eagerly)")
     fused_ops: bool = Field(
         True,

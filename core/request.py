@@ -11,6 +11,9 @@ from pagedllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Holding blocks a KV connector fills in the background; outside the batch until they arrive (vLLM's
+    # name; sched/base.py `park_for_external_load`).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.
@@ -71,6 +74,10 @@ class Request:
     priority: int = 0
     # Mixed into the first block's hash (chaining carries it into every later one): different salts never share.
     cache_salt: str | None = None
+    # An encoder-decoder model's encoder prompt (None for decoder-only models): the prompt_token_ids are then
+    # the decoder's. The encoder runs on it in the request's first step; its cross-attention K/V fill blocks of
+    # their own KV-cache group (kv_cache/spec.py CrossAttentionSpec), never counted in num_tokens.
+    encoder_prompt_token_ids: list[int] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,6 +101,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        """The encoder prompt's length (0 for a decoder-only model)."""
+        return len(self.encoder_prompt_token_ids) if self.encoder_prompt_token_ids is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

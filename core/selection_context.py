@@ -47,6 +47,8 @@ class AttentionSelectionContext:
     cuda_graphs: bool = False
     # Learned per-head attention sinks in the softmax (AttentionLayerConfig.sinks; gpt-oss).
     sinks: bool = False
+    # Chunked local attention layers (AttentionLayerConfig.attention_chunk_size; Llama 4).
+    chunked_local: bool = False
 
 
 # A KV manager's check() receives the spec of the KV-cache group it would hold (frozen dataclasses); only

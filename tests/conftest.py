@@ -17,6 +17,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Each engine takes its CPU KV budget up front (zero-filled, so resident): dozens of engines in one session,
 # plus the servers the tests spawn (they inherit this), must fit the 24 GiB CI machine.
 os.environ.setdefault("PAGEDLLM_KV_CACHE__MEMORY_GB", "0.25")
+# The suite's references (transformers, the dequantized GGUF model) are float32, and on a CPU with bf16 units
+# `dtype: auto` would run bf16 (core/platform/cpu_compute.py): pin float32 and the GGUF kernels at every size
+# unless a test asks otherwise; tests/test_cpu_dtype.py tests the auto choices and what bf16 costs. (Not on
+# a CUDA machine: there `auto` is the checkpoint's half type, which the GPU tests expect.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("PAGEDLLM_DTYPE", "float32")
+    os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "quantized")
 # Two shared cores: more threads than cores makes every test slower.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -239,3 +239,47 @@ def test_non_delta_text_grows_monotonically(smollm2: Any) -> None:
         assert current.startswith(previous)
         previous = current
     assert detok.get_next_output_text(finished=True, delta=False) == text
+
+
+def _random_ids(tokenizer: Any, n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(n)]  # byte pieces included
+    for special in tokenizer.all_special_ids:  # and every special token, somewhere in the middle
+        ids.insert(rng.randrange(1, len(ids)), special)
+    return ids
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_specials", "keep_specials"])
+def test_fast_path_equals_the_tokenizers_own_decode(tokenizer: Any, skip: bool) -> None:
+    """The Rust decode under a fast tokenizer is taken, and every step's text is what transformers' decode gives."""
+    params = SamplingParams(skip_special_tokens=skip)
+    for seed in range(3):
+        ids = _random_ids(tokenizer, 40, seed)
+        detok = IncrementalDetokenizer(tokenizer, [], params)
+        assert detok._fast_decode is not None
+        slow = IncrementalDetokenizer(tokenizer, [], params)
+        slow._fast_decode = None  # the reference: tokenizer.decode(...) through transformers
+        for tid in ids:
+            detok.update([tid])
+            slow.update([tid])
+            assert detok.output_text == slow.output_text
+        full = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        assert full.startswith(detok.output_text.rstrip("\ufffd"))
+
+
+def test_a_tokenizer_that_overrides_decode_keeps_its_own(tiny_bpe: Any) -> None:
+    """A subclass's decode (here: upper-casing) is honoured: the fast path would skip it."""
+    import copy
+
+    class Shouting(type(tiny_bpe)):  # type: ignore[misc]
+        def decode(self, ids: Any, **kw: Any) -> str:  # type: ignore[override]
+            return str(super().decode(ids, **kw)).upper()
+
+    loud = copy.copy(tiny_bpe)
+    loud.__class__ = Shouting
+    ids = tiny_bpe.encode("the quick brown fox", add_special_tokens=False)
+    detok, deltas, _ = stream(loud, ids, SamplingParams())
+    assert detok._fast_decode is None
+    assert detok.output_text == "THE QUICK BROWN FOX" == "".join(deltas)

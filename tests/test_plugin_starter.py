@@ -56,10 +56,12 @@ SELECT: dict[str, dict[str, Any]] = {
     "tool_parser": {},  # not engine parts either: `pagedllm serve --tool-call-parser NAME` picks them
     "reasoning_parser": {},
     "structured_output": {"structured_outputs": {"backend": "{name}"}},
+    "kv_connector": {"kv_transfer": {"kv_connector": "{name}"}},
 }
 SELECTION_KEY = {"scheduler": "scheduler", "attention": "attention", "kv_manager": "kv_manager",
                  "loader": "loader", "quantization": "quantization", "model": "model",
-                 "logits_processor": "logits_processor[{name}]", "proposer": "proposer", "executor": "executor"}
+                 "logits_processor": "logits_processor[{name}]", "proposer": "proposer", "executor": "executor",
+                 "kv_connector": "kv_connector"}
 # Run in a subprocess: the config file's greedy tokens and every selection's winner.
 _DRIVER = """
 import json, sys
@@ -299,7 +301,8 @@ def test_every_kind_renders_a_complete_light_lint_clean_package(kind: str, tmp_p
     tree = ast.parse(files[f"src/{package}/__init__.py"])
     declared = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
                 for t in node.targets if isinstance(t, ast.Name)}
-    assert declared["PAGEDLLM_PLUGIN_API"] == (">=1.2,<2" if kind == "command" else ">=1,<2")  # commands: 1.2
+    # Commands need 1.2, KV connectors 1.4 (when their kinds arrived); every other kind any 1.x.
+    assert declared["PAGEDLLM_PLUGIN_API"] == {"command": ">=1.2,<2", "kv_connector": ">=1.4,<2"}.get(kind, ">=1,<2")
     module_level = _imported(tree.body)
     assert module_level <= {"__future__", "typing", "os", "pydantic", "pagedllm.api"}, module_level
     assert _imported(ast.walk(tree)) - module_level == {f"{package}.{module}"}
@@ -351,7 +354,7 @@ def test_a_kind_it_cannot_write_exits_2_listing_the_supported_ones(
     err = capsys.readouterr().err
     assert err.startswith("pagedllm: error: ") and kind in err
     assert ("supported kinds: scheduler, attention, kv_manager, loader, quantization, model, logits_processor, "
-            "proposer, executor, command, entrypoint, tool_parser, reasoning_parser, structured_output") in err
+            "proposer, executor, command, entrypoint, tool_parser, reasoning_parser, kv_connector, structured_output") in err
     assert not (tmp_path / "x").exists()
 
 

@@ -158,8 +158,7 @@ def _served(model: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[AddReques
         finals: dict[str, list[tuple[Any, ...]]] = {}
         for stream in streams:
             joined: dict[int, list[Any]] = {}
-            while not stream.queue.empty():
-                delta = stream.queue.get_nowait()
+            while (delta := stream.output.get_nowait()) is not None:
                 assert not isinstance(delta, BaseException)
                 for c in delta.outputs:  # deltas: concatenate text and ids, keep the last finish
                     entry = joined.setdefault(c.index, [c.index, "", [], None, None])

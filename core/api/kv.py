@@ -8,13 +8,20 @@ from __future__ import annotations
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.single_type_manager import SingleTypeKVCacheManagerBase, cdiv
-from pagedllm.protocols.kv_connector import KVConnector, KVConnectorContext
+from pagedllm.protocols.kv_connector import (
+    KVConnector,
+    KVConnectorAsyncLoad,
+    KVConnectorContext,
+    KVConnectorRequestHook,
+)
 
 __all__ = [
     "BlockPool",
     "KVCacheBlock",
     "KVConnector",
+    "KVConnectorAsyncLoad",
     "KVConnectorContext",
+    "KVConnectorRequestHook",
     "SingleTypeKVCacheManagerBase",
     "cdiv",
 ]

@@ -18,6 +18,7 @@ from pagedllm.formats.gguf_blocks import (
     random_blocks,
 )
 from pagedllm.formats.hf_folder import read_json, read_model_info
+from pagedllm.formats.model_config import ModelConfig, model_config_from_dict
 from pagedllm.layers.weight_utils import WeightLoadError
 from pagedllm.protocols.loader import LoadedModelInfo
 
@@ -26,11 +27,13 @@ __all__ = [
     "F16_FIELDS",
     "GGUFBlocks",
     "LoadedModelInfo",
+    "ModelConfig",
     "Q",
     "WeightLoadError",
     "build_model_shard",
     "decode_blocks",
     "dequantize_blocks",
+    "model_config_from_dict",
     "random_blocks",
     "read_json",
     "read_model_info",

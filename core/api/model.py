@@ -38,9 +38,11 @@ from pagedllm.layers.weight_utils import (
     set_weight_attrs,
 )
 from pagedllm.protocols.model import KernelOptions, ModelBuildContext
+from pagedllm.worker.encoder_inputs import EncoderInputs
 
 __all__ = [
     "Attention",
+    "EncoderInputs",
     "FusedMoE",
     "GeluTanhAndMul",
     "GemmaRMSNorm",

@@ -119,6 +119,12 @@ STARTERS: dict[str, Starter] = {
         "Reasoning parsers have no engine config key: the server uses the one it is started with:\n\n```bash\n"
         "pagedllm serve --model path/to/model --reasoning-parser {{name}}\n```",
     ),
+    "kv_connector": Starter(
+        PluginKind.KV_CONNECTOR, "connector", "{{name}}",
+        "an in-memory store for the blocks the device prefix cache evicts",
+        "kv_transfer: {kv_connector: {{name}}}\nplugins:\n  {{name}}: {max_blocks: 4096}", _SELECT_USE,
+        api_min="1.4",
+    ),
     "structured_output": Starter(
         PluginKind.STRUCTURED_OUTPUT, "backend", "{{name}}", "output constrained to one of the request's choices",
         "structured_outputs: {backend: {{name}}}",
@@ -165,6 +171,7 @@ KIT_LATER = {
     "executor": "# Conformance kit: pagedllm.testing has no executor check yet; when it has, call it here.",
     "command": "# Conformance kit: pagedllm.testing has no command check yet; when it has, call it here.",
     "entrypoint": "# Conformance kit: pagedllm.testing has no entrypoint check yet; when it has, call it here.",
+    "kv_connector": "# Conformance kit: pagedllm.testing has no KV-connector check yet; when it has, call it here.",
 }
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")

@@ -1,13 +1,14 @@
 """AsyncLLM: the asyncio frontend of an engine core that runs in its own process (vLLM V1's serving shape).
 
     generate(prompt, params, id) ──▶ tokenize, validate, fan out n samples ──▶ EngineCoreClient (ZMQ)
-            ▲                                                                        │
-            └── per-request asyncio.Queue ◀── OutputProcessor (detokenize, stops) ◀──┘ Outputs per step
+            ▲                                                                          │
+            └── per-request OutputCollector ◀── OutputProcessor (detokenize, stops) ◀──┘ Outputs per step
 
 The tokenizer, chat template and detokenizer live here, in the API process; the core only sees token ids.
 `generate` yields *deltas*: each RequestOutput carries, per sample that changed, only the new text, token
 ids and logprobs, so a streaming server writes them straight out and a non-streaming one concatenates them
-(streamed and non-streamed text are then equal by construction).
+(streamed and non-streamed text are then equal by construction). Deltas a slow consumer has not yet taken are
+merged into one (output_collector.py).
 
 NOTE(1): leaving the `async for` early (a client disconnect cancels the task) aborts the request in the core,
 which frees its KV blocks.
@@ -32,8 +33,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.default_model import DEFAULT_MODEL_ALIAS, resolve_model_reference
 from pagedllm.engine.admission import AdmissionLimits, resolve_max_waiting
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.encoder_decoder_prompt import ENCODER_IDS_KEY
 from pagedllm.engine.engine_watch import EngineSnapshot
 from pagedllm.engine.input_processing import ModelLimits, PromptType, RequestBuilder, RequestValidationError
+from pagedllm.engine.output_collector import OutputCollector
 from pagedllm.engine.output_processor import IterationStats, OutputProcessor
 from pagedllm.engine.serialization import Outputs, Ready
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -65,7 +68,8 @@ class _Stream:
 
     request_id: str
     samples: list[Any]  # the OutputProcessor's _Sample objects, by index
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    # Deltas not yet taken by generate()'s caller, merged while it is behind (output_collector.py).
+    output: OutputCollector = field(default_factory=OutputCollector)
     sent_tokens: list[int] = field(default_factory=list)
     sent_logprobs: list[int] = field(default_factory=list)
     reported_finish: list[bool] = field(default_factory=list)
@@ -166,7 +170,7 @@ class AsyncLLM:
         pending = list(self._streams)
         for rid in pending:
             stream = self._streams[rid]
-            stream.queue.put_nowait(make_error())
+            stream.output.put(make_error())
             self.abort(rid)
         return len(pending)
 
@@ -299,7 +303,7 @@ class AsyncLLM:
                 try:
                     # Only the wait is timed, never the consumer's work between items (a generator's caller).
                     async with asyncio.timeout_at(deadline):
-                        item = await stream.queue.get()
+                        item = await stream.output.get()
                 except TimeoutError:
                     raise RequestTimeoutError(
                         f"the request did not finish within the server's {timeout:g}s request timeout"
@@ -325,9 +329,12 @@ class AsyncLLM:
                     "max_tokens",
                 )
             return prompt, params
-        text, ids = self.requests.tokenize(prompt)
+        decoder_prompt, encoder_ids = self.requests.split_prompt(prompt)  # (prompt, None): decoder-only
+        text, ids = self.requests.tokenize(decoder_prompt)
         params = params.clone()
         params.max_tokens = max(1, min(ceiling, self.ready.max_model_len - len(ids)))
+        if encoder_ids is not None:
+            return {"prompt": text, "prompt_token_ids": ids, ENCODER_IDS_KEY: encoder_ids}, params
         return {"prompt": text, "prompt_token_ids": ids}, params
 
     def abort(self, request_id: str) -> None:
@@ -361,7 +368,7 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(self._delta(stream, out))
+            stream.output.put(self._delta(stream, out))
             if out.finished:
                 stream.finished = True
                 del self._streams[out.request_id]
@@ -370,7 +377,7 @@ class AsyncLLM:
     def _on_death(self, reason: str) -> None:
         for rid, stream in list(self._streams.items()):
             stream.finished = True
-            stream.queue.put_nowait(EngineDeadError(f"the engine core died: {reason}"))
+            stream.output.put(EngineDeadError(f"the engine core died: {reason}"))
             out = self.processor.abort(rid)
             if out is not None:
                 self._notify_finished(out)

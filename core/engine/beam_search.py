@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.input_processing import RequestBuilder
+from pagedllm.engine.input_processing import RequestBuilder, RequestValidationError
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -142,6 +142,9 @@ class BeamSearch:
 def start_search(builder: RequestBuilder, prompt: PromptType, params: BeamSearchParams) -> BeamSearch:
     """A search for `prompt`, or RequestValidationError (naming the parameter) for one the engine could never
     run to max_tokens: every step's request must fit the context."""
+    if builder.limits.encoder_decoder is not None:
+        # Each step here is a fresh decoder-only request of the beam's tokens: an encoder prompt would be lost.
+        raise RequestValidationError("beam search is not supported for encoder-decoder models yet", "use_beam_search")
     _, ids = builder.tokenize(prompt)
     builder.validate(ids, SamplingParams(max_tokens=params.max_tokens))
     return BeamSearch(ids, params, builder.limits.eos_token_ids)

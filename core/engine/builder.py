@@ -11,6 +11,7 @@ show` can say what was picked and why.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,14 @@ from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.kv_cache.connector_setup import block_axis_of, build_kv_connector
 from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.layers.fused_ops import building
+from pagedllm.platform.cpu_compute import (
+    available_memory_bytes,
+    choose_gguf_batch_gemm,
+    default_num_threads,
+    dense_weight_bytes,
+    resolve_cpu_dtype,
+)
+from pagedllm.platform.cpu_features import cpu_features
 from pagedllm.plugin_manager import PluginManager, get_plugin_manager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.protocols.executor import ExecutorContext
@@ -69,9 +78,14 @@ class EngineParts:
     # The config's logits processors, in the runner's sampler (runner_plugins.py); rank 0 only.
     logits_processors: list[Any] = field(default_factory=list)
     pipeline_split: str | None = None  # which layers each pipeline stage holds, and why (pp_partition.py)
+    # Why the CPU dtype and (GGUF kept quantized) batch GEMM are what they are (platform/cpu_compute.py).
+    compute_notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         lines = [f"model: {self.model_ref}", f"device: {self.device}, dtype: {str(self.dtype).removeprefix('torch.')}"]
+        if self.compute_notes:
+            lines[-1] += f" ({self.compute_notes[0]})"
+            lines += list(self.compute_notes[1:])
         lines += [sel.explain() for sel in self.selections.values()]
         lines.append(
             f"kv cache: {self.num_blocks} blocks x {self.block_size} tokens = "
@@ -94,11 +108,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, hf_config: Any, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """The model's dtype; on the CPU `auto` follows the processor's bf16 units and the quantization method
+    (platform/cpu_compute.py resolve_cpu_dtype, which also says why)."""
+    if device.type == "cpu":
+        return DTYPES[resolve_cpu_dtype(name, quantization, cpu_features()).value]
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU half-precision matmuls are slow and lossy; float32 is the CPU norm
     cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     return cfg_dtype if cfg_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
@@ -182,9 +198,16 @@ def build_engine_parts(
     """
     clock = _PhaseClock()  # the first phase includes plugin selection and reading the model config
     pm = pm or get_plugin_manager()
+    on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    if tp_rank == 0 and pp_rank == 0 and (config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())):
+    elif on_cpu:
+        # One thread per physical core this process may use (cpu_compute.default_num_threads): only ever
+        # fewer than torch's own default, which counts the machine's cores but not a container's CPU mask.
+        threads = default_num_threads(cpu_features(), os.environ)
+        if threads is not None and threads < torch.get_num_threads():
+            torch.set_num_threads(threads)
+    if tp_rank == 0 and pp_rank == 0 and on_cpu:
         overloaded = check_thread_load(torch.get_num_threads())  # thread_load.py: why a busy machine matters
         if overloaded:
             logger.warning(overloaded)
@@ -219,7 +242,7 @@ def build_engine_parts(
         config, source.model_ref, source.info, model, runner, scheduler, kv.manager, kv.max_model_len,
         kv.num_blocks, comps.block_size, comps.device, comps.dtype, selections, clock.elapsed(), tp_size=tp_size,
         capacity=kv.capacity, startup_phases=clock.phases, logits_processors=plugins.logits_processors,
-        pipeline_split=split,
+        pipeline_split=split, compute_notes=comps.compute_notes,
     )
     logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
     return parts
@@ -282,6 +305,7 @@ class _Components:
     dtype: torch.dtype
     block_size: int  # the config's (kv_cache.block_size)
     selections: dict[str, Selection]
+    compute_notes: tuple[str, ...] = ()  # EngineParts.compute_notes
 
 
 def _select_components(
@@ -293,18 +317,21 @@ def _select_components(
     model_sel = _select_architecture(pm, archs)
     model_cls = model_sel.load()
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, hf_config, device)
+    # The quantization method first: on the CPU the dtype `auto` resolves to depends on it (cpu_compute.py).
+    quant_sel, quant_config, notes = _select_quantization(config, pm, source.info, device)
+    dtype = resolve_dtype(config.dtype, hf_config, device, quant_sel.winner.name)
+    if device.type == "cpu":
+        notes = (resolve_cpu_dtype(config.dtype, quant_sel.winner.name, cpu_features()).reason, *notes)
     attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype)
     backend = attention_sel.load()
     configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
     if configure is not None:
         backend = configure(plugin_section(sections, attention_sel.winner.name, pm.config_models()))
-    quant_sel, quant_config = _select_quantization(config, pm, source.info, device)
     dense_sel, dense_config = _select_dense(config, pm, quant_sel)
     selections = {"model": model_sel, "attention": attention_sel, "quantization": quant_sel, **dense_sel}
     kernels = _kernel_options(config, quant_config, device, dtype)
     return _Components(model_cls, backend, quant_config, dense_config, kernels, device, dtype,
-                       config.kv_cache.block_size, selections)
+                       config.kv_cache.block_size, selections, notes)
 
 
 def _select_dense(config: EngineConfig, pm: PluginManager, quant_sel: Selection) -> tuple[dict[str, Selection], Any]:
@@ -356,6 +383,8 @@ def _select_attention(
         logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
         # A model class with learned attention sinks says so (CausalLM's optional `attention_sinks`).
         sinks=bool(getattr(model_cls, "attention_sinks", False)),
+        # Chunked local attention layers (Llama 4): only backends that mask by chunk may serve them.
+        chunked_local=bool(getattr(hf_config, "attention_chunk_size", None)),
         # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
         cuda_graphs=device.type == "cuda" and not config.enforce_eager,
     )
@@ -364,8 +393,9 @@ def _select_attention(
 
 def _select_quantization(
     config: EngineConfig, pm: PluginManager, info: LoadedModelInfo, device: torch.device
-) -> tuple[Selection, Any | None]:
-    """The quantization method's selection and its config (None for `none`)."""
+) -> tuple[Selection, Any | None, tuple[str, ...]]:
+    """The quantization method's selection, its config (None for `none`) and why its CPU GEMM is what it is
+    (a GGUF file kept quantized on the CPU; empty otherwise)."""
     checkpoint_quant = (info.quantization_config or {}).get("quant_method")
     dense_fallback = (info.quantization_config or {}).get("dense_fallback")
     if checkpoint_quant and dense_fallback and not config.quantization.method and device.type != "cpu":
@@ -383,7 +413,16 @@ def _select_quantization(
     quant_cls = selection.load()
     # Options: the checkpoint's quantization_config, overridden by the config's `plugins.<method>` section.
     quant_options = {**(info.quantization_config or {}), **config.plugins.get(quant_name, {})}
-    return selection, None if quant_name == "none" else quant_cls.from_config(quant_options)
+    notes: tuple[str, ...] = ()
+    if dense_fallback and quant_name == checkpoint_quant and device.type == "cpu":
+        # A file kept quantized on the CPU: its large products' GEMM follows the CPU's bf16 units, the memory a
+        # bf16 copy would take and `cpu_kernels` (platform/cpu_compute.py NOTE 1, 2).
+        gemm = choose_gguf_batch_gemm(
+            cpu_features(), config.cpu_kernels, dense_weight_bytes(info.hf_config, 2), available_memory_bytes()
+        )
+        quant_options["batch_gemm"] = gemm.value
+        notes = (gemm.reason,)
+    return selection, None if quant_name == "none" else quant_cls.from_config(quant_options), notes
 
 
 def _build_and_load_model(

@@ -16,7 +16,7 @@ class EngineInfo:
 
     model_ref: str  # the resolved model reference (a folder or a file)
     config: EngineConfig  # the resolved engine config
-    hf_config: Any  # the model's transformers config
+    hf_config: Any  # the model's config (LoadedModelInfo.hf_config: a ModelConfig or a transformers config)
     tokenizer: Any  # None for a checkpoint without one
     device: str
     dtype: str  # e.g. "bfloat16"

@@ -25,6 +25,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine.encoder_decoder_prompt import EncoderDecoderLimits, split_prompt
 from pagedllm.protocols.loader import LoadedModelInfo
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -48,11 +49,14 @@ class ModelLimits:
     vocab_size: int
     eos_token_id: int | None  # the primary EOS (NOTE 1)
     eos_token_ids: frozenset[int]  # every id that ends a sequence unless ignore_eos (NOTE 1)
+    # An encoder-decoder model's prompt rules (encoder_decoder_prompt.py); None for a decoder-only model.
+    encoder_decoder: EncoderDecoderLimits | None = None
 
     @classmethod
     def from_model(cls, info: LoadedModelInfo, max_model_len: int) -> ModelLimits:
         primary, ids = eos_token_ids(info)
-        return cls(max_model_len, int(info.hf_config.vocab_size), primary, frozenset(ids))
+        return cls(max_model_len, int(info.hf_config.vocab_size), primary, frozenset(ids),
+                   EncoderDecoderLimits.from_hf_config(info.hf_config))
 
 
 def eos_token_ids(info: LoadedModelInfo) -> tuple[int | None, list[int]]:
@@ -102,6 +106,11 @@ class RequestBuilder:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
 
+    def split_prompt(self, prompt: PromptType) -> tuple[PromptType, list[int] | None]:
+        """(the decoder prompt, the encoder prompt's ids): an encoder-decoder model's two halves
+        (encoder_decoder_prompt.py); (prompt, None) for a decoder-only model."""
+        return split_prompt(prompt, self.limits.encoder_decoder, self.tokenize, self.limits.vocab_size)
+
     def build(
         self,
         request_id: str,
@@ -117,6 +126,7 @@ class RequestBuilder:
         `reject_unrunnable`, for a request the core could never run."""
         if request_id in in_use:
             raise RequestValidationError(f"request id {request_id!r} is already in use", "request_id")
+        prompt, encoder_ids = self.split_prompt(prompt)
         prompt_text, prompt_ids = self.tokenize(prompt)
         params = params or SamplingParams()
         prompt_ids = self.truncate(prompt_ids, params)
@@ -133,7 +143,7 @@ class RequestBuilder:
         samples = fan_out(request_id, params)
         requests = [
             Request(core_id, prompt_ids, child, arrival_time=arrival, priority=priority,
-                    eos_token_id=limits.eos_token_id)
+                    eos_token_id=limits.eos_token_id, encoder_prompt_token_ids=encoder_ids)
             for core_id, child in samples
         ]
         return PreparedRequest(request_id, prompt_text, prompt_ids, arrival, samples, requests)
@@ -143,6 +153,10 @@ class RequestBuilder:
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt_ids
+        if self.limits.encoder_decoder is not None:  # the decoder's start token must stay first
+            raise RequestValidationError(
+                "truncate_prompt_tokens is not supported for encoder-decoder models yet", "truncate_prompt_tokens"
+            )
         if keep > self.limits.max_model_len:
             raise RequestValidationError(
                 f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({self.limits.max_model_len}); "

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, run_searches, start_search
+from pagedllm.engine.encoder_decoder_prompt import ENCODER_IDS_KEY
 from pagedllm.engine.engine_info import EngineInfo
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
@@ -94,11 +95,13 @@ class LLM:
         checked: list[PromptType] = []
         for prompt, params in zip(prompt_list, params_list):
             # Tokenized once here, so the checks see what the engine will run (after truncation).
-            text, ids = builder.tokenize(prompt)
+            decoder_prompt, encoder_ids = builder.split_prompt(prompt)  # (prompt, None): decoder-only
+            text, ids = builder.tokenize(decoder_prompt)
             ids = builder.truncate(ids, params)
             builder.validate_params(params)
             builder.validate_prompt(ids)
-            checked.append({"prompt": text, "prompt_token_ids": ids})
+            checked.append({"prompt": text, "prompt_token_ids": ids} if encoder_ids is None else
+                           {"prompt": text, "prompt_token_ids": ids, ENCODER_IDS_KEY: encoder_ids})
         order: dict[str, int] = {}
         try:
             for prompt, params in zip(checked, params_list):

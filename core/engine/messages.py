@@ -22,6 +22,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
+    # An encoder-decoder model's encoder prompt (Request.encoder_prompt_token_ids); None for decoder-only.
+    encoder_prompt_token_ids: list[int] | None = None
 
 
 @dataclass

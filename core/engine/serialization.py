@@ -35,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     priority: int = 0
     eos_token_id: int | None = None
+    encoder_prompt_token_ids: list[int] | None = None  # encoder-decoder models only
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -138,6 +139,7 @@ def make_add_request(request: Request) -> AddRequest:
         arrival_time=request.arrival_time,
         priority=request.priority,
         eos_token_id=request.eos_token_id,
+        encoder_prompt_token_ids=request.encoder_prompt_token_ids,
     )
 
 
@@ -150,4 +152,5 @@ def request_from_message(msg: AddRequest) -> Request:
         params_from_dict(msg.params),
         eos_token_id=msg.eos_token_id,
         priority=msg.priority,
+        encoder_prompt_token_ids=msg.encoder_prompt_token_ids,
     )

@@ -8,6 +8,13 @@ Request hashes are computed once, at the smallest block size of any group (`hash
 group's block size must be a multiple of it. Because hashes are chained, the hash of the last small block
 inside a big block identifies the big block's whole prefix, so a group with k times the block size reads
 every k-th hash (`group_hashes`).
+
+NOTE 1: an encoder-decoder model's cross-attention group holds the encoder output, not the request's own
+tokens, so each group is sized by its spec's `tokens_to_hold(num_tokens, num_encoder_tokens)`: the decoder
+length for self-attention groups, the encoder length for a CrossAttentionSpec group. The managers keep the
+protocol's one token count; only the coordinator knows both. A cross-attention manager never reports a
+prefix hit, so the fixed point below makes an encoder-decoder request always miss: the decoder's blocks
+alone do not identify the prefix (two requests may share a decoder prompt under different encoder prompts).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class KVCacheCoordinator:
             if size % self.hash_block_size:
                 raise ValueError(f"KV block sizes {self.block_sizes} must all be multiples of the smallest")
         self._hash_strides = [size // self.hash_block_size for size in self.block_sizes]
+        self._group_specs = [group.spec for group in config.groups]
         self.managers: list[SingleTypeKVCacheManager] = [
             factory(group.spec, self.block_pool, gid)
             for gid, (factory, group) in enumerate(zip(manager_factories, config.groups, strict=True))
@@ -90,11 +98,14 @@ class KVCacheCoordinator:
                 return tuple(results), hit_length
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks
+        self, request_id: str, num_tokens: int, new_computed_blocks: GroupBlocks, num_encoder_tokens: int = 0
     ) -> int:
-        """Free blocks needed, over all groups, for the request to hold `num_tokens` tokens."""
+        """Free blocks needed, over all groups, for the request to hold `num_tokens` tokens (and, in a
+        cross-attention group, its `num_encoder_tokens` encoder tokens: NOTE 1)."""
         return sum(
-            manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[gid])
+            manager.get_num_blocks_to_allocate(
+                request_id, self._tokens_to_hold(gid, num_tokens, num_encoder_tokens), new_computed_blocks[gid]
+            )
             for gid, manager in enumerate(self.managers)
         )
 
@@ -103,9 +114,16 @@ class KVCacheCoordinator:
         for gid, manager in enumerate(self.managers):
             manager.save_new_computed_blocks(request_id, new_computed_blocks[gid])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> GroupBlocks:
-        """Grow every group's block list to `num_tokens` tokens; return the added blocks per group."""
-        return tuple(manager.allocate_new_blocks(request_id, num_tokens) for manager in self.managers)
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0) -> GroupBlocks:
+        """Grow every group's block list to `num_tokens` tokens (a cross-attention group's to the encoder's
+        `num_encoder_tokens`: NOTE 1); return the added blocks per group."""
+        return tuple(
+            manager.allocate_new_blocks(request_id, self._tokens_to_hold(gid, num_tokens, num_encoder_tokens))
+            for gid, manager in enumerate(self.managers)
+        )
+
+    def _tokens_to_hold(self, gid: int, num_tokens: int, num_encoder_tokens: int) -> int:
+        return self._group_specs[gid].tokens_to_hold(num_tokens, num_encoder_tokens)
 
     def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_tokens: int) -> None:
         """Register the request's blocks that are full within `num_tokens` tokens, in every group."""

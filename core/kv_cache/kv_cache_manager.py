@@ -156,6 +156,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_reserved_blocks: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Give the request slots for `num_new_tokens` more tokens (after its prefix hits, if any).
 
@@ -181,6 +182,9 @@ class KVCacheManager:
         bs        block size (the smallest over the groups; each group counts in its own block size).
         reserved  num_reserved_blocks: free blocks this call must leave free (the scheduler's admission
                   headroom for requests already running); 0 for running requests themselves.
+        delay     delay_cache_blocks: register nothing now. For blocks a KV connector fills in the background
+                  (sched/base.py park_for_external_load): no other request may hit them before their KV lands;
+                  the request's next allocation, once it is scheduled, registers them.
         ```
 
         Returns the newly allocated blocks per group (hits are not included), or None when the free blocks
@@ -202,7 +206,8 @@ class KVCacheManager:
 
         # Free what the request can no longer read first, so it counts as free below.
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
-        num_to_allocate = self.coordinator.get_num_blocks_to_allocate(rid, need, hit_blocks)
+        num_encoder = request.num_encoder_tokens  # sizes a cross-attention group (coordinator.py NOTE 1)
+        num_to_allocate = self.coordinator.get_num_blocks_to_allocate(rid, need, hit_blocks, num_encoder)
         if num_to_allocate + num_reserved_blocks > self.block_pool.get_num_free_blocks():
             return None
 
@@ -211,7 +216,7 @@ class KVCacheManager:
         for group in hit_blocks:
             self.block_pool.touch(group)
         self.coordinator.save_new_computed_blocks(rid, hit_blocks)
-        new_blocks = self.coordinator.allocate_new_blocks(rid, need)
+        new_blocks = self.coordinator.allocate_new_blocks(rid, need, num_encoder)
 
         if self.enable_caching:
             if request.num_computed_tokens == 0:
@@ -220,6 +225,8 @@ class KVCacheManager:
                 stats.requests += 1
                 stats.queries += request.num_tokens
                 stats.hits += num_new_computed_tokens
+            if delay_cache_blocks:
+                return KVCacheBlocks(new_blocks)
             update_block_hashes(request, self.block_size)
             num_cacheable = min(need, len(request.block_hashes) * self.block_size)
             self.coordinator.cache_blocks(rid, request.block_hashes, num_cacheable)

@@ -32,6 +32,14 @@ class KVCacheSpec:
         """The layer's cache tensor shape when the spec fixes it; None lets the attention backend choose."""
         return None
 
+    def tokens_to_hold(self, num_tokens: int, num_encoder_tokens: int) -> int:
+        """Slots a request of `num_tokens` (decoder) tokens and `num_encoder_tokens` encoder tokens holds here.
+
+        The coordinator sizes each group's block list by this: most layer types hold the request's own
+        tokens; cross-attention holds the encoder's output instead (CrossAttentionSpec).
+        """
+        return num_tokens
+
 
 @dataclass(frozen=True)
 class AttentionSpec(KVCacheSpec):
@@ -48,6 +56,26 @@ class AttentionSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context: the cache grows one slot per token."""
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder-to-encoder attention of an encoder-decoder model: the cache holds the encoder output's K/V.
+
+    A request's blocks are sized from its encoder prompt (written once, by the step that runs the encoder),
+    never from its decoder tokens, and they do not grow while it decodes. `max_encoder_len` (the encoder's
+    position limit) bounds them for capacity planning. Shares a block's byte layout with the model's self-
+    attention layers of the same shape (kv_cache/layout.py `page_layout`).
+    """
+
+    max_encoder_len: int = 0
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The longest encoder prompt's blocks, whatever the decoder length."""
+        return -(-self.max_encoder_len // self.block_size)
+
+    def tokens_to_hold(self, num_tokens: int, num_encoder_tokens: int) -> int:
+        return num_encoder_tokens
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,23 @@ class SinkSlidingWindowSpec(SlidingWindowSpec):
         whole = -(-num_tokens // self.block_size)
         sink_blocks = -(-self.num_sink_tokens // self.block_size)
         return min(whole, super().max_blocks_per_request(num_tokens, max_chunk) + sink_blocks)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Llama 4's chunked local attention: positions split into chunks of `attention_chunk_size` tokens, and a
+    token attends only to the tokens of its own chunk up to itself. Blocks wholly before the current chunk
+    can be released."""
+
+    attention_chunk_size: int = 0
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
+        """The chunk bound: a step computing c tokens from position n holds the blocks from its chunk's start
+        (at most chunk - 1 positions before n) to n + c, so at most cdiv(chunk - 1 + c, block_size) + 1 --
+        never more than the length itself needs."""
+        whole = -(-num_tokens // self.block_size)
+        bound = -(-(self.attention_chunk_size - 1 + max(max_chunk, 1)) // self.block_size) + 1
+        return min(whole, bound)
 
 
 @dataclass(frozen=True)

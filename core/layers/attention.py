@@ -34,9 +34,11 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
         prefix: str = "",
     ) -> None:
-        """`sinks`: this rank's [num_heads] learned sink logits (AttentionLayerConfig.sinks), or None."""
+        """`sinks`: this rank's [num_heads] learned sink logits (AttentionLayerConfig.sinks), or None.
+        `attention_chunk_size`: chunked local attention's chunk (AttentionLayerConfig.attention_chunk_size)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"{prefix}: {num_heads} query heads do not split into {num_kv_heads} KV groups")
@@ -48,6 +50,16 @@ class Attention(nn.Module):
                 # model whose class did not declare its sinks, instead of attending without them.
                 name = getattr(ctx.attn_backend, "name", ctx.attn_backend)
                 raise ValueError(f"{prefix}: attention backend '{name}' does not support attention sinks")
+        if attention_chunk_size is not None:
+            if attention_chunk_size < 1:
+                raise ValueError(f"{prefix}: attention_chunk_size must be >= 1, got {attention_chunk_size}")
+            if sliding_window is not None:
+                raise ValueError(f"{prefix}: a layer is chunked local or sliding window, not both")
+            if not getattr(ctx.attn_backend, "supports_chunked_local", False):
+                # As for sinks: selection refuses such a backend (AttentionSelectionContext.chunked_local); a
+                # backend attending past the chunk would read blocks the KV manager has already released.
+                name = getattr(ctx.attn_backend, "name", ctx.attn_backend)
+                raise ValueError(f"{prefix}: attention backend '{name}' does not support chunked local attention")
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -60,6 +72,7 @@ class Attention(nn.Module):
             logits_soft_cap=logits_soft_cap,
             cpu_ops=ctx.kernels.cpu_ops,
             sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
         )
         self.impl = ctx.attn_backend.make_impl(self.layer_config)
         self.prefix = prefix
@@ -89,5 +102,6 @@ class Attention(nn.Module):
         cfg = self.layer_config
         return (
             f"heads={cfg.num_heads}, kv_heads={cfg.num_kv_heads}, head_size={cfg.head_size}, "
-            f"window={cfg.sliding_window}, sinks={cfg.sinks is not None}, kv_group={self.kv_group_id}"
+            f"window={cfg.sliding_window}, chunk={cfg.attention_chunk_size}, sinks={cfg.sinks is not None}, "
+            f"kv_group={self.kv_group_id}"
         )

@@ -50,13 +50,14 @@ def layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: gate and up fused into one column-parallel matmul, down row-parallel."""
 
-    def __init__(self, ctx: ModelBuildContext, prefix: str) -> None:
+    def __init__(self, ctx: ModelBuildContext, prefix: str, intermediate_size: int | None = None) -> None:
+        """`intermediate_size` defaults to the config's; Llama 4's dense layers pass intermediate_size_mlp."""
         super().__init__()
         cfg = ctx.hf_config
         if cfg.hidden_act != "silu":
             raise ValueError(f"{prefix}: activation '{cfg.hidden_act}' not supported (only silu)")
         bias = bool(getattr(cfg, "mlp_bias", False))
-        size = cfg.intermediate_size
+        size = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             ctx, cfg.hidden_size, [size, size], bias=bias, prefix=f"{prefix}.gate_up_proj"
         )
@@ -91,8 +92,10 @@ class LlamaAttention(nn.Module):
         scale: float | None = None,
         logits_soft_cap: float | None = None,
         sinks: bool = False,
+        attention_chunk_size: int | None = None,
     ) -> None:
         """`scale` defaults to head_dim ** -0.5; Gemma passes query_pre_attn_scalar ** -0.5 and a soft cap.
+        `attention_chunk_size`: the layer attends within chunks of that many positions (Llama 4's local layers).
 
         `sinks`: a learned sink logit per query head (gpt-oss), the parameter `sinks` ([num_attention_heads]
         in the checkpoint; each rank keeps its heads' entries), added to every softmax's denominator.
@@ -133,6 +136,7 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=logits_soft_cap,
             sinks=self.sinks,
+            attention_chunk_size=attention_chunk_size,
             prefix=f"{prefix}.attn",
         )
 

@@ -89,6 +89,11 @@ class AttentionLayerConfig:
     # sink's column dropped. The model's parameter itself (filled when weights load), so the impl keeps the
     # reference. Only backends that declare `supports_sinks = True` take it (the Attention layer checks).
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # Chunked local attention (Llama 4): positions split into chunks of this many tokens and a query at position
+    # q sees only keys p with p // C == q // C (and p <= q); None for every other layer. The KV manager of its
+    # ChunkedLocalAttentionSpec group releases earlier chunks' blocks, so reading them would read freed
+    # memory: only backends that declare `supports_chunked_local = True` take it (the Attention layer checks).
+    attention_chunk_size: int | None = None
 
 
 class AttentionImpl(Protocol):
@@ -129,7 +134,8 @@ class AttentionBackend(Protocol):
     subclass holding the options), so two engines in one process may run different options; and
     `supports_sinks: ClassVar[bool]` (absent: False), whether its impls apply `AttentionLayerConfig.sinks`.
     A backend that does not also refuses `AttentionSelectionContext.sinks` in its check(), so the selector
-    passes it over for a model with sinks."""
+    passes it over for a model with sinks. Likewise `supports_chunked_local: ClassVar[bool]` (absent: False)
+    for `AttentionLayerConfig.attention_chunk_size`, refused through `AttentionSelectionContext.chunked_local`."""
 
     name: ClassVar[str]
 

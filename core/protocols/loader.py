@@ -14,7 +14,9 @@ from pagedllm.plugin_spec import optional
 class LoadedModelInfo:
     """What a loader tells the engine about a model before the weights are read.
 
-    `hf_config` is a transformers PretrainedConfig (architectures, sizes, rope settings). `tokenizer` is a
+    `hf_config` reads like a transformers PretrainedConfig (architectures, sizes, rope settings): for the
+    model types the in-tree models serve it is a `ModelConfig` (pagedllm.api.loading: config.json with the
+    class defaults filled in, read without importing transformers), else transformers' own. `tokenizer` is a
     transformers tokenizer or None when the loader has none (dummy weights with random token ids).
     """
 

@@ -52,7 +52,8 @@ class SchedulerBase:
     hold_in_flight: bool = False
     batch_request_cap: int | None = None
     # A KV connector (protocols/kv_connector.py) the engine set, or None: admission asks it for prefix hits
-    # beyond the device cache (`external_prefix_hit`), make_output hands its plan to the runner.
+    # beyond the device cache (`external_prefix_hit`, or `match_external` + `park_for_external_load` for hits
+    # that arrive in the background), make_output hands its plan to the runner.
     kv_connector: Any = None
 
     def __init__(self, ctx: SchedulerContext) -> None:
@@ -75,6 +76,9 @@ class SchedulerBase:
         self._num_groups: int = self.kv.num_groups
         self._block_size: int = self.kv.block_size  # the smallest over the groups (allocate_slots' bs)
         self._stats = SchedulerStats()
+        # Parked requests (WAITING_FOR_REMOTE_KVS): their blocks are being filled by the KV connector in the
+        # background; request id -> (request, tokens computed on the device before the external hit).
+        self.loading: dict[str, tuple[Request, int]] = {}
 
     # -- requests in and out -------------------------------------------------------------------------------
 
@@ -93,20 +97,22 @@ class SchedulerBase:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.loading[rid]  # (the connector hears of it in _free: request_finished)
             else:
                 self.waiting.remove(req)
             req.status = status
             self._free(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     def get_stats(self) -> SchedulerStats:
         s = self._stats
-        s.num_running, s.num_waiting = len(self.running), len(self.waiting)
+        s.num_running, s.num_waiting = len(self.running), len(self.waiting) + len(self.loading)
         s.kv_cache_usage = self.kv.usage
         pc = self.kv.make_prefix_cache_stats()
         s.prefix_cache_queries += pc.queries
@@ -156,14 +162,24 @@ class SchedulerBase:
 
         Whole blocks, and the total stays below the request's known tokens (the last is always computed: its
         logits sample the next token). A policy admitting `req` allocates them with the tokens it schedules,
-        `allocate_slots(req, external + num_new, num_computed, ...)`, then calls `admit_external`.
+        `allocate_slots(req, external + num_new, num_computed, ...)`, then calls `admit_external`. A hit the
+        connector would load in the background counts as none here: this admission path has no way to wait
+        for it (a policy that can park requests calls `match_external`).
         """
+        found, load_async = self.match_external(req, num_computed)
+        return 0 if load_async else found
+
+    def match_external(self, req: Request, num_computed: int) -> tuple[int, bool]:
+        """`external_prefix_hit` and whether those tokens arrive in the background (protocols/kv_connector.py):
+        a policy then parks the request with `park_for_external_load` instead of scheduling it."""
         connector = self.kv_connector
         if connector is None or req.sampling_params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every position computed, as for device hits
-        found = connector.get_num_new_matched_tokens(req, num_computed)
+            return 0, False  # prompt logprobs need every position computed, as for device hits
+        answer = connector.get_num_new_matched_tokens(req, num_computed)
+        found, load_async = answer if isinstance(answer, tuple) else (answer, False)
         limit = (req.num_tokens - 1) // self._block_size * self._block_size - num_computed
-        return max(0, min(found, limit))
+        found = max(0, min(found, limit))
+        return found, load_async and found > 0
 
     def admit_external(self, req: Request, num_computed: int, num_external: int) -> None:
         """Tell the connector which blocks of `req` (allocated just now) its `num_external` tokens go into."""
@@ -171,6 +187,44 @@ class SchedulerBase:
             first = num_computed // self._block_size
             blocks = self.kv.get_block_ids(req.request_id)[0][first : first + num_external // self._block_size]
             self.kv_connector.update_state_after_alloc(req, blocks, num_external)
+
+    def park_for_external_load(self, req: Request, num_computed: int, computed_blocks: Any, num_external: int,
+                               num_reserved_blocks: int = 0) -> bool:
+        """Give the waiting `req` blocks for its device hit and the `num_external` tokens the connector loads in
+        the background, and park it outside the batch until they arrive (False: no blocks; nothing changed).
+
+        The external blocks are not registered in the prefix cache yet (their KV is not there): another
+        request must not hit them before the load lands. They are registered when the request is next
+        scheduled, as any block it computes. The caller removes nothing: `req` leaves `waiting` here.
+        """
+        if self.kv.allocate_slots(req, num_external, num_computed, computed_blocks, num_reserved_blocks,
+                                  delay_cache_blocks=True) is None:
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_computed_tokens = num_computed
+        self.loading[req.request_id] = (req, num_computed)
+        self.admit_external(req, num_computed, num_external)
+        return True
+
+    def resume_loaded(self) -> None:
+        """Parked requests whose loads finished rejoin the running list as prefills past what arrived (vLLM's
+        `_update_waiting_for_remote_kv`); called first in `schedule()`. Blocks that failed to load are simply
+        computed: the request holds them, its computed count stops before them."""
+        if not self.loading:
+            return
+        # Nothing else to run: the connector may wait briefly for a load instead of the engine spinning.
+        idle = not self.running and not self.waiting
+        for rid, num_loaded in self.kv_connector.get_finished_loads(wait=idle).items():
+            entry = self.loading.pop(rid, None)
+            if entry is None:
+                continue
+            req, num_computed = entry
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed + num_loaded
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.running.append(req)
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it to be recomputed from scratch (first in line)."""
@@ -226,6 +280,7 @@ class SchedulerBase:
                         req.sampling_params,
                         take_new_block_ids(rid, sent),
                         req.num_computed_tokens,
+                        req.encoder_prompt_token_ids,
                     )
                 )
                 in_runner.add(rid)
@@ -330,6 +385,12 @@ class SchedulerBase:
         return outputs
 
     def _free(self, req: Request) -> None:
+        if self.kv_connector is not None:
+            # The optional member (protocols/kv_connector.py, API 1.5): before the blocks go back to the pool.
+            hook = getattr(self.kv_connector, "request_finished", None)
+            if hook is not None:
+                blocks = self.kv.get_block_ids(req.request_id)
+                hook(req, list(blocks[0]) if blocks else [])
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._sent_blocks.pop(req.request_id, None)

@@ -28,6 +28,15 @@ class SchedulerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
+    def kv_connector_hit_rates(self) -> dict[str, float]:
+        """Per tier of the KV connector (`<tier>_hit_tokens` in its counters): prompt tokens it served / prompt
+        tokens looked up. The denominator is the device prefix cache's, so the device rate and these add up
+        to the share of prompt tokens not computed."""
+        q = self.prefix_cache_queries
+        return {key.removesuffix("_hit_tokens"): (n / q if q else 0.0)
+                for key, n in self.kv_connector.items() if key.endswith("_hit_tokens")}
+
+    @property
     def spec_acceptance_rate(self) -> float:
         """Accepted drafts / drafts checked (0.0 before any verification)."""
         return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0

@@ -24,6 +24,7 @@ import torch
 from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCacheManager
 from pagedllm.kv_cache.spec import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -65,6 +66,9 @@ def default_spec(spec_type: type, block_size: int = BLOCK_SIZE) -> KVCacheSpec:
     if spec_type is SinkSlidingWindowSpec:  # sinks spanning a block and a half, so a partial sink block is pinned
         return SinkSlidingWindowSpec(block_size, 1, 8, torch.float32, sliding_window=6,
                                      num_sink_tokens=block_size + block_size // 2)
+    if spec_type is ChunkedLocalAttentionSpec:  # a chunk of a block and a half: chunk edges inside blocks too
+        return ChunkedLocalAttentionSpec(block_size, 1, 8, torch.float32,
+                                         attention_chunk_size=block_size + block_size // 2)
     if spec_type is MambaSpec:
         return MambaSpec(block_size, (4, 3), (4, 8), torch.float32)
     raise TypeError(f"no default spec for {spec_type.__name__}; pass spec=... to check_kv_manager")

@@ -9,8 +9,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.kv_cache.spec import CrossAttentionSpec
 from pagedllm.layers.compile_ahead import compile_first
-from pagedllm.worker.input_prep import build_attn_metadata, prepare_inputs
+from pagedllm.worker.encoder_inputs import (
+    CrossLayout,
+    cross_attention_groups,
+    plan_cross_layout,
+    with_cross_metadata,
+)
+from pagedllm.worker.input_prep import StepInputs, build_attn_metadata, prepare_inputs
 
 
 @torch.inference_mode()
@@ -32,7 +39,8 @@ def profile_activation_bytes(
     `num_logit_rows` rows, against a throw-away KV cache just large enough for it, and reads the allocator's
     peak. The builder subtracts this (and everything already allocated) from the memory budget before
     sizing the real cache. A hybrid model passes each KV-cache group's block size in `group_block_sizes`
-    (the first is block_size); every group gets its own block table over the same throw-away blocks.
+    (the first is block_size); every group gets its own block table over the same throw-away blocks. An
+    encoder-decoder model's step also runs every sequence's encoder (profile_step_inputs).
     The tokens are cut into sequences of at most `max_seq_len` (the model's positions): a budget larger than
     the context (16,384 tokens for an 8,192-position model) must not index the rotary tables past their end.
     """
@@ -52,14 +60,11 @@ def profile_activation_bytes(
         for s in specs
     ]
     cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-    more = list(zip(tables[1:], (group_block_sizes or [])[1:], strict=True))
-    inputs = prepare_inputs(
-        [[0] * n for n in lens], [0] * len(lens), lens, tables[0], block_size, device, 0, more
-    )
+    inputs, cross = profile_step_inputs(model, specs, lens, tables, block_size, group_block_sizes, device)
     # model_runner NOTE 4: this step's Triton binaries built in parallel first (same tensors, same peak).
     if compile_ahead:
-        compile_first(functools.partial(_forward_once, model, backend, inputs, caches))
-    hidden = _forward_once(model, backend, inputs, caches)
+        compile_first(functools.partial(forward_profile_step, model, backend, inputs, caches, cross))
+    hidden = forward_profile_step(model, backend, inputs, caches, cross)
     if isinstance(hidden, torch.Tensor):  # a pipeline stage before the last has no logits
         rows = min(num_logit_rows, num_tokens)
         model.compute_logits(hidden[-rows:]).float().softmax(-1)  # the sampler's float32 copy of the logits
@@ -70,8 +75,40 @@ def profile_activation_bytes(
     return int(peak)
 
 
-def _forward_once(model: Any, backend: Any, inputs: Any, caches: list[torch.Tensor]) -> Any:
+def profile_step_inputs(
+    model: Any,
+    specs: list[Any],
+    lens: list[int],
+    tables: list[list[list[int]]],
+    block_size: int,
+    group_block_sizes: list[int] | None,
+    device: torch.device,
+) -> tuple[StepInputs, CrossLayout | None]:
+    """The profiling step's inputs (prompts of `lens` tokens from position 0, one table per group), and for an
+    encoder-decoder model its encoder rows and cross-attention layout: every sequence starts, so every
+    encoder runs, over min(its length, the encoder's limit) tokens (worker/encoder_inputs.py)."""
+    sizes = [block_size, *(group_block_sizes or [])[1:]]
+    cross_groups = cross_attention_groups(model)
+    more = [(tables[g], sizes[g]) for g in range(1, len(sizes)) if g not in cross_groups]
+    inputs = prepare_inputs([[0] * n for n in lens], [0] * len(lens), lens, tables[0], block_size, device, 0, more)
+    if not cross_groups:
+        return inputs, None
+    limit = min(s.max_encoder_len for s in specs if isinstance(s, CrossAttentionSpec))
+    # A group's table holds cdiv(n, its block size) blocks per sequence: room for min(n, limit) encoder tokens.
+    encoder_ids = [[0] * min(n, limit) for n in lens]
+    layout = plan_cross_layout(encoder_ids, [0] * len(lens), lens, {g: tables[g] for g in cross_groups}, sizes,
+                               device)
+    return inputs, layout
+
+
+def forward_profile_step(
+    model: Any, backend: Any, inputs: StepInputs, caches: list[torch.Tensor], cross: CrossLayout | None = None
+) -> Any:
+    """One forward of the profiling step (its hidden states; a pipeline stage before the last: its output)."""
     metadata = build_attn_metadata(backend, inputs)
+    if cross is not None:
+        return model(inputs.input_ids, inputs.positions, with_cross_metadata(backend, metadata, cross[1]), caches,
+                     encoder_inputs=cross[0])
     stage = getattr(model, "ctx", None)
     if stage is not None and getattr(stage, "pp_size", 1) > 1:
         # A pipeline stage profiles alone: a stage after the first starts from zeros of the received shape.

@@ -44,6 +44,12 @@ Compile-ahead (NOTE 4). Each of those first launches compiled its Triton binary 
 of a cold start (perf-notes §19). `compile_ahead` first walks the same steps -- every graph size capture will
 take, every warm-up kind -- inside layers/compile_ahead.compiling_ahead(), where the Triton launches only
 compile, on a thread pool; capture and warm-up then find every binary built.
+
+Encoder-decoder models (NOTE 5). A model with `is_encoder_decoder` (BART) has cross-attention KV-cache groups
+(CrossAttentionSpec) whose blocks hold each request's encoder output, not its decoder tokens. They stay out of
+the usual tables and step buffers: each step worker/encoder_inputs.py lays out the encoder prompts of the
+requests in their first step and the cross-attention pseudo-batch per group, and the model gets them as
+`encoder_inputs=` and in its groups' metadata. Such steps are never captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.spec_decode.verification import verify
 from pagedllm.worker import prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeGraphs, GPURunnerOptions, StepBuffers, graph_ladder
+from pagedllm.worker.encoder_inputs import (
+    CrossLayout,
+    cross_attention_groups,
+    plan_cross_layout,
+    with_cross_metadata,
+)
 from pagedllm.worker.input_prep import (
     BlockTableCache,
     GroupBlockIds,
@@ -129,8 +141,12 @@ class ModelRunner(PipelinedSteps):
         self._warned_overflow = False
         self._pending: PendingStep | None = None  # pipelined mode: the step in flight (NOTE 1)
         self._sampled_host: torch.Tensor | None = None
-        # Block tables kept between steps, one per KV-cache group (input_prep.BlockTableCache).
-        self._table_caches = [BlockTableCache() for _ in self.block_sizes]
+        # An encoder-decoder model's cross-attention groups, laid out on their own each step (NOTE 5); the
+        # other groups ("self" groups, group 0 first) take the usual tables and step buffers.
+        self._cross_groups = cross_attention_groups(model)
+        self._self_groups = [g for g in range(len(self.block_sizes)) if g not in self._cross_groups]
+        # Block tables kept between steps, one per self group (input_prep.BlockTableCache).
+        self._table_caches = [BlockTableCache() for _ in self._self_groups]
         # The last step's sampling metadata: a steady batch reuses its params tensors (metadata.py `reuse`).
         self._last_metadata: SamplingMetadata | None = None
         if device.type == "cuda":
@@ -140,7 +156,7 @@ class ModelRunner(PipelinedSteps):
                 opts.max_num_seqs,
                 -(-opts.max_model_len // min(self.block_sizes)) + 1,
                 device,
-                num_groups=len(self.block_sizes),
+                num_groups=len(self._self_groups),
             )
 
     @property
@@ -174,6 +190,8 @@ class ModelRunner(PipelinedSteps):
     ) -> tuple[list[int], tuple[int, ...]] | None:
         """(batch sizes, uniform query lengths) capture_cuda_graphs takes, or None where nothing is captured."""
         if self._buffers is None or not getattr(self.attn_backend, "supports_cuda_graphs", False):
+            return None
+        if self._cross_groups:  # each step's cross-attention layout is built fresh (NOTE 5): no graphs
             return None
         sizes = sizes or list(self.options.graph_batch_sizes or graph_ladder(self.options.max_num_seqs))
         lens = self.options.uniform_query_lens if query_lens is None else query_lens
@@ -212,12 +230,15 @@ class ModelRunner(PipelinedSteps):
         to the allocator -- and, after the engine's empty_cache, to the driver -- even while the caller still
         holds the LLM object. The runner cannot step afterwards."""
         self.release_cuda_graphs()
+        shutdown = getattr(self.kv_connector, "shutdown", None)  # optional (protocols/kv_connector.py, API 1.5)
+        if shutdown is not None:
+            shutdown()
         self.model = None
         self.kv_caches = []
         self._buffers = None
         self.speculator = None
         self._last_metadata = None
-        self._table_caches = [BlockTableCache() for _ in self.block_sizes]
+        self._table_caches = [BlockTableCache() for _ in self._self_groups]
         self.states.clear()
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -244,6 +265,7 @@ class ModelRunner(PipelinedSteps):
                 gen,
                 [list(ids) for ids in new.block_ids],
                 new.num_computed_tokens,
+                new.encoder_prompt_token_ids,
             )
         states = self.states
         for cached in so.scheduled_cached_reqs:
@@ -354,11 +376,18 @@ class ModelRunner(PipelinedSteps):
         computed = [s.num_computed_tokens for s in states]
         block_ids = [s.block_ids[0] for s in states]
         more_groups: list[GroupBlockIds] = [
-            ([s.block_ids[g] for s in states], size) for g, size in enumerate(self.block_sizes[1:], start=1)
+            ([s.block_ids[g] for s in states], self.block_sizes[g]) for g in self._self_groups[1:]
         ]
+        cross = self._cross_layout(states, computed, num_sched) if self._cross_groups else None
         # The states' block lists only grow (_update_states extends them): the tables can be kept (input_prep.py).
         return self._forward(token_ids, computed, num_sched, block_ids, num_decodes, more_groups, fill,
-                             self._table_caches)
+                             self._table_caches, cross=cross)
+
+    def _cross_layout(self, states: list[CachedRequestState], computed: list[int], num_sched: list[int]) -> CrossLayout:
+        """The step's encoder inputs and each cross-attention group's metadata (NOTE 5)."""
+        return plan_cross_layout([s.encoder_prompt_token_ids or [] for s in states], computed, num_sched,
+                                 {g: [s.block_ids[g] for s in states] for g in self._cross_groups},
+                                 self.block_sizes, self.device)
 
     def forward_tokens(
         self,
@@ -383,12 +412,14 @@ class ModelRunner(PipelinedSteps):
         fill: Callable[[torch.Tensor], None] | None = None,
         table_caches: list[BlockTableCache] | None = None,
         use_graphs: bool = True,
+        cross: CrossLayout | None = None,
     ) -> tuple[StepInputs, torch.Tensor]:
         """Lay out the step's inputs and run the model: graph replay, persistent buffers, or fresh tensors.
 
         `block_ids` are KV-cache group 0's per request; `more_groups` the other groups' (hybrid models);
         `fill` rewrites the input ids on the device before the model reads them (NOTE 1); `use_graphs` False
-        runs a decode-only step eagerly even where a graph would fit (warm_up).
+        runs a decode-only step eagerly even where a graph would fit (warm_up); `cross` an encoder-decoder
+        model's encoder inputs and cross-attention metadata per group (NOTE 5).
         """
         more = more_groups or ()
         inputs: StepInputs | None = None
@@ -413,6 +444,10 @@ class ModelRunner(PipelinedSteps):
             if fill is not None:
                 fill(inputs.input_ids)
         attn_metadata = build_attn_metadata(self.attn_backend, inputs)
+        if cross is not None:
+            attn_metadata = with_cross_metadata(self.attn_backend, attn_metadata, cross[1])
+            return inputs, self.model(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
+                                      encoder_inputs=cross[0])
         if self.pp_size > 1:  # None on a stage before the last (pipeline_stage.py)
             return inputs, stage_forward(self.model, inputs.input_ids, inputs.positions, attn_metadata,
                                          self.kv_caches, self.pp_rank, self.pp_size)  # type: ignore[return-value]

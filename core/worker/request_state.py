@@ -18,6 +18,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
+    # An encoder-decoder model's encoder prompt (its encoder runs in the request's first step: encoder_inputs.py).
+    encoder_prompt_token_ids: list[int] | None = None
     # prompt + output, kept alongside: building it every step cost O(length) per request (~8 ms per step at
     # 512 requests of ~600 tokens). Grow outputs through `append_outputs` so the two stay in step.
     _all_token_ids: list[int] = field(init=False, repr=False)

@@ -162,7 +162,8 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
         # The served model's vocabulary and name written in (protocol.publish_limits), once the core is ready.
         if app.openapi_schema is None:
             schema = default_openapi()
-            app.openapi_schema = publish_limits(schema, engine.ready.vocab_size, engine.model_name)
+            app.openapi_schema = publish_limits(schema, engine.ready.vocab_size, engine.model_name,
+                                                kv_connector=engine.config.kv_transfer.kv_connector is not None)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

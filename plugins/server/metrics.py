@@ -83,13 +83,17 @@ class _EngineStatsCollector:
 
 def _kv_connector_metrics(s: Any, gauge: Any, counter: Any) -> Iterator[Metric]:
     """The KV connector's counters (docs/plugins/kv_connector.md), when one is configured: hit tokens and
-    bytes moved per tier are counters; what a tier holds now (`*_blocks`) is a gauge."""
+    bytes moved per tier are counters; what a tier holds or waits for now (`*_blocks`, `*_requests`) is a
+    gauge, and so is each tier's hit rate (its hit tokens / prompt tokens looked up)."""
     for key, value in sorted(getattr(s, "kv_connector", {}).items()):
         name = f"pagedllm:kv_connector_{key}"
-        if key.endswith("_blocks"):
-            yield gauge(name, f"KV connector: {key.replace('_', ' ')} held now.", value)
+        if key.endswith(("_blocks", "_requests")):
+            yield gauge(name, f"KV connector: {key.replace('_', ' ')} now.", value)
         else:
             yield counter(name, f"KV connector: {key.replace('_', ' ')} since start.", value)
+    for tier, rate in sorted(getattr(s, "kv_connector_hit_rates", {}).items()):
+        yield gauge(f"pagedllm:kv_connector_{tier}_hit_rate",
+                    f"KV connector: prompt tokens served by the {tier} tier / prompt tokens looked up.", rate)
 
 
 def _spec_decode_metrics(s: Any, model: str, gauge: Any, counter: Any) -> Iterator[Metric]:

@@ -20,7 +20,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pagedllm.plugins.server.response_format import ResponseFormat, StructuredOutputsBody
 
@@ -85,10 +93,47 @@ class StreamOptions(_Body):
     include_usage: bool | None = False
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's usage.prompt_tokens_details: prompt tokens not computed for this request (a prefix-cache hit,
+    a KV-connector tier, or KV transferred from a prefill engine)."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class KVTransferParams(_Body):
+    """vLLM's kv_transfer_params for disaggregated prefill (plugins/kv_connectors/pd; the router sets them):
+    the prefill server keeps the prompt's KV under `transfer_id` (do_remote_decode), the decode server fetches
+    it from remote_host:remote_port (do_remote_prefill)."""
+
+    # The validator's rule in the published schema: exactly one side; the prefill side with an address.
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"properties": {"do_remote_decode": {"const": True}, "do_remote_prefill": {"const": False}},
+         "required": ["do_remote_decode"]},
+        {"properties": {"do_remote_prefill": {"const": True}, "do_remote_decode": {"const": False},
+                        "remote_host": {"type": "string"}, "remote_port": {"type": "integer"}},
+         "required": ["do_remote_prefill", "remote_host", "remote_port"]},
+    ]})
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: Annotated[str, Field(min_length=1, max_length=200)]
+    remote_host: NonEmptyStr | None = None
+    remote_port: int | None = Field(None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _one_side(self) -> KVTransferParams:
+        if self.do_remote_decode == self.do_remote_prefill:
+            raise ValueError("exactly one of do_remote_decode and do_remote_prefill must be true")
+        if self.do_remote_prefill and (self.remote_host is None or self.remote_port is None):
+            raise ValueError("do_remote_prefill needs remote_host and remote_port (the prefill engine's KV server)")
+        return self
 
 
 class _Sampling(_Body):
@@ -120,6 +165,8 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     vllm_xargs: dict[str, XArgValue] | None = None
+    # Disaggregated prefill (KVTransferParams); SamplingParams.extra_args["kv_transfer_params"] for the connector.
+    kv_transfer_params: KVTransferParams | None = Field(None, json_schema_extra={"x-kv-transfer": True})
     # Structured outputs (structured_outputs.py): OpenAI's response_format, or vLLM's structured_outputs field.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -144,7 +191,7 @@ BEAM_SEARCH_NEUTRAL: dict[str, Any] = {
     **{name: None for name in (
         "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
         "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "vllm_xargs",
-        "response_format", "structured_outputs", "stream_options",
+        "kv_transfer_params", "response_format", "structured_outputs", "stream_options",
     )},
 }
 _NEUTRAL_SCHEMA = {name: {"type": "null"} if value is None else {"const": value}
@@ -445,10 +492,12 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def publish_limits(schema: dict[str, Any], vocab_size: int, model_name: str) -> dict[str, Any]:
+def publish_limits(schema: dict[str, Any], vocab_size: int, model_name: str,
+                   kv_connector: bool = False) -> dict[str, Any]:
     """The OpenAPI schema with this server's own limits written in where the fields are marked: token ids
-    below the vocabulary size, logit_bias keys likewise, `model` the served name. So /openapi.json describes
-    exactly what this server accepts, model-specific bounds included (a fuzzer's valid case is valid here)."""
+    below the vocabulary size, logit_bias keys likewise, `model` the served name, `kv_transfer_params` null
+    only without a KV connector. So /openapi.json describes exactly what this server accepts, model-specific
+    bounds included (a fuzzer's valid case is valid here)."""
     key_pattern = _decimal_below(vocab_size)
 
     def walk(node: Any) -> None:
@@ -459,6 +508,9 @@ def publish_limits(schema: dict[str, Any], vocab_size: int, model_name: str) -> 
                 node["pattern"] = key_pattern
             if node.pop("x-served-model", False):
                 node["enum"] = [model_name, None]
+            if node.pop("x-kv-transfer", False) and not kv_connector:
+                node.clear()
+                node["type"] = "null"  # refused with a 400 naming it (serving_common.sampling_params)
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):

@@ -186,10 +186,12 @@ async def collect_chat(
 ) -> ChatCompletionResponse:
     choices: dict[int, ChatChoice] = {}
     completion_tokens = 0
+    cached = 0  # prompt tokens not computed for it (prefix cache, KV connector)
     prompt_logprobs = None
     async for out in stream:
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", None, "engine_error")
+        cached = max(cached, out.num_cached_tokens)
         if prompt_logprobs is None and out.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_out(out.prompt_logprobs)
         for c in out.outputs:
@@ -207,8 +209,8 @@ async def collect_chat(
         choice.message = _message(parser, choice.message.content or "")
         choice.finish_reason = finish_reason_of(choice.finish_reason, parser is not None and parser.called)
     ordered = [choices[k] for k in sorted(choices)]
-    return ChatCompletionResponse(id=rid, model=model, choices=ordered, usage=usage_of([prompt_len], completion_tokens),
-                                  prompt_logprobs=prompt_logprobs)
+    return ChatCompletionResponse(id=rid, model=model, choices=ordered,
+                                  usage=usage_of([prompt_len], completion_tokens, cached), prompt_logprobs=prompt_logprobs)
 
 
 def parsed_deltas(parser: ChoiceParser, text: str, finished: bool) -> list[dict[str, Any]]:
@@ -230,7 +232,7 @@ def parsed_deltas(parser: ChoiceParser, text: str, finished: bool) -> list[dict[
 async def _stream(
     stream: AsyncIterator[RequestOutput], rid: str, model: str, n: int, prompt_len: int, include_usage: bool,
     want_logprobs: bool, top_n: int, new_parser: NewParser,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """OpenAI's chunk sequence: per choice a role chunk, content deltas, an empty delta with finish_reason;
     then (include_usage) a chunk with no choices and the usage; then `data: [DONE]`.
 
@@ -241,12 +243,12 @@ async def _stream(
     completion_tokens = 0
     parsers: dict[int, ChoiceParser | None] = {}
 
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                 "choices": choices}
         if include_usage:
             body["usage"] = usage
-        return sse(body)
+        return sse(body, exact_floats=want_logprobs)
 
     def choice(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -257,6 +259,7 @@ async def _stream(
         async for out in stream:
             if out.error:
                 raise APIError(500, f"the engine failed this request: {out.error}", None, "engine_error")
+            events: list[bytes] = []  # one write per engine output: its content and finish chunks together
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
@@ -267,18 +270,20 @@ async def _stream(
                 parser = parsers[c.index]
                 if parser is None:
                     if c.text or logprobs:
-                        yield chunk([choice(c.index, {"content": c.text}, None, logprobs)])
+                        events.append(chunk([choice(c.index, {"content": c.text}, None, logprobs)]))
                     if c.finish_reason is not None:
-                        yield chunk([choice(c.index, {}, c.finish_reason)])
+                        events.append(chunk([choice(c.index, {}, c.finish_reason)]))
                     continue
                 finished = c.finish_reason is not None
                 for delta in parsed_deltas(parser, c.text, finished):
-                    yield chunk([choice(c.index, delta, None, logprobs)])
+                    events.append(chunk([choice(c.index, delta, None, logprobs)]))
                     logprobs = None
                 if logprobs:  # the tokens' text is held back by a parser for now; their logprobs are not
-                    yield chunk([choice(c.index, {"content": ""}, None, logprobs)])
+                    events.append(chunk([choice(c.index, {"content": ""}, None, logprobs)]))
                 if finished:
-                    yield chunk([choice(c.index, {}, finish_reason_of(c.finish_reason, parser.called))])
+                    events.append(chunk([choice(c.index, {}, finish_reason_of(c.finish_reason, parser.called))]))
+            if events:
+                yield b"".join(events)
         if include_usage:
             yield chunk([], usage_of([prompt_len], completion_tokens).model_dump())
     except Exception as exc:

@@ -7,12 +7,13 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 
 from pagedllm.api.engine import AsyncLLM, RequestOutput
 from pagedllm.api.sched import SamplingParams
 from pagedllm.plugins.server.errors import APIError, error_body, from_exception
-from pagedllm.plugins.server.protocol import Usage
+from pagedllm.plugins.server.protocol import PromptTokensDetails, Usage
 from pagedllm.plugins.server.structured_outputs import check_structured_outputs, structured_outputs_of
 
 T = TypeVar("T")
@@ -62,6 +63,13 @@ def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None,
         extra_args=dict(body.vllm_xargs) if body.vllm_xargs else None,
         structured_outputs=structured,
     )
+    transfer = getattr(body, "kv_transfer_params", None)
+    if transfer is not None:
+        if engine is not None and engine.config.kv_transfer.kv_connector is None:
+            raise APIError(400, "kv_transfer_params: this server runs no KV connector "
+                           "(kv_transfer.kv_connector, e.g. pd)", "kv_transfer_params")
+        # The connector reads them from the request (plugins/kv_connectors/pd), as vLLM's connectors do.
+        kw["extra_args"] = {**(kw["extra_args"] or {}), "kv_transfer_params": transfer.model_dump()}
     if structured is not None and engine is not None:
         assert structured_param is not None
         check_structured_outputs(engine, structured, structured_param)
@@ -78,20 +86,29 @@ def sampling_params(body: Any, max_tokens: int | None, logprobs: int | None,
         raise from_exception(exc) from None
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+def sse(data: dict[str, Any] | str, exact_floats: bool = False) -> bytes:
+    """One server-sent event, as the bytes written. msgspec encodes a chunk several times faster than `json`
+    (each stream writes one per engine step), but writes a non-finite float as null where `json` writes
+    -Infinity, which Python clients (the openai one among them) read back as -inf: a chunk that carries
+    logprobs (-inf for a token the sampler excluded) passes `exact_floats`."""
+    if isinstance(data, str):
+        return b"data: " + data.encode() + b"\n\n"
+    if exact_floats:
+        return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def sse_error(exc: BaseException) -> str:
+def sse_error(exc: BaseException) -> bytes:
     """A mid-stream failure: headers are already sent, so the error travels as an event (as vLLM does)."""
     err = from_exception(exc)
     return sse(error_body(err.status, err.message, err.param, err.code))
 
 
-def usage_of(prompt_lens: list[int], completion_tokens: int) -> Usage:
+def usage_of(prompt_lens: list[int], completion_tokens: int, cached_tokens: int | None = None) -> Usage:
     prompt = sum(prompt_lens)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+    details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
+    return Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens,
+                 prompt_tokens_details=details)
 
 
 async def start_streams(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

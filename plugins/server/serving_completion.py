@@ -108,9 +108,11 @@ async def _collect(
     choices: dict[int, CompletionChoice] = {}
     builders: dict[int, _LogprobsBuilder] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}  # per prompt: tokens it did not compute (prefix cache, KV connector)
     async for i, out in merge(streams):
         if out.error:
             raise APIError(500, f"the engine failed this request: {out.error}", None, "engine_error")
+        cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
         for c in out.outputs:
             idx = i * n + c.index
             choice = choices.setdefault(idx, CompletionChoice(index=idx, text=echoes[i]))
@@ -125,29 +127,33 @@ async def _collect(
             if c.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     ordered = [choices[k] for k in sorted(choices)]
-    return CompletionResponse(id=rid, model=model, choices=ordered, usage=usage_of(prompt_lens, completion_tokens))
+    usage = usage_of(prompt_lens, completion_tokens, sum(cached.values()))
+    return CompletionResponse(id=rid, model=model, choices=ordered, usage=usage)
 
 
 async def _stream(
     streams: list[AsyncIterator[RequestOutput]], rid: str, model: str, n: int, echoes: list[str],
     prompt_lens: list[int], include_usage: bool, want_logprobs: bool,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     created = int(time.time())
     echoed: set[int] = set()
     builders: dict[int, _LogprobsBuilder] = {}
     completion_tokens = 0
 
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": choices}
         if include_usage:
             body["usage"] = usage
-        return sse(body)
+        return sse(body, exact_floats=want_logprobs)
 
+    cached: dict[int, int] = {}  # per prompt: tokens it did not compute (prefix cache, KV connector)
     try:
         async for i, out in merge(streams):
             if out.error:
                 raise APIError(500, f"the engine failed this request: {out.error}", None, "engine_error")
+            cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
+            events: list[bytes] = []  # one write per engine output, however many choices it moved
             for c in out.outputs:
                 idx = i * n + c.index
                 text = c.text
@@ -163,10 +169,12 @@ async def _stream(
                 # tokenizer) still make a chunk: clients see progress and the stream's liveness.
                 if not text and c.finish_reason is None and not logprobs and not c.token_ids:
                     continue
-                yield chunk([{"index": idx, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}])
+                events.append(chunk([{"index": idx, "text": text, "logprobs": logprobs,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+            if events:
+                yield b"".join(events)
         if include_usage:
-            yield chunk([], usage_of(prompt_lens, completion_tokens).model_dump())
+            yield chunk([], usage_of(prompt_lens, completion_tokens, sum(cached.values())).model_dump())
     except Exception as exc:
         yield sse_error(exc)
     yield sse("[DONE]")

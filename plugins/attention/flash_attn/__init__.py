@@ -147,6 +147,9 @@ def check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"head size {ctx.head_size} not supported (a multiple of 8, at most 256)")
     if ctx.sinks:
         reasons.append("attention sinks not supported (this backend does not pass them to FlashAttention)")
+    if ctx.chunked_local:
+        reasons.append("chunked local attention not supported (this backend passes FlashAttention no chunk mask; "
+                       "the torch and flex backends apply it)")
     if ctx.device_type == "cuda":
         variant, why = choose(ctx)
         if variant is None:

@@ -55,6 +55,9 @@ def check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"head size {ctx.head_size} not in {HEAD_SIZES}")
     if ctx.sinks:
         reasons.append("attention sinks not supported (this backend does not pass them to FlashInfer)")
+    if ctx.chunked_local:
+        reasons.append("chunked local attention not supported (this backend passes FlashInfer no chunk mask; the "
+                       "torch and flex backends apply it)")
     return reasons
 
 

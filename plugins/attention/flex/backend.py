@@ -63,9 +63,7 @@ class FlexAttentionImpl:
         self.head_size = layer.head_size
         self.scale = layer.scale
         self.sliding_window = layer.sliding_window
-        # Chunked local attention (Llama 4): read when the layer config carries it, as its KV manager's
-        # layers will; AttentionLayerConfig does not define the field yet.
-        self.chunk_size: int | None = getattr(layer, "attention_chunk_size", None)
+        self.chunk_size = layer.attention_chunk_size  # chunked local attention (Llama 4), or None
         self.score_mod = _soft_cap(layer.logits_soft_cap) if layer.logits_soft_cap is not None else None
 
     def forward(
@@ -132,6 +130,7 @@ class FlexAttentionBackend:
     """flex_attention over the paged cache; sliding window, chunked local and soft-cap; CPU and CUDA."""
 
     name: ClassVar[str] = "flex"
+    supports_chunked_local: ClassVar[bool] = True  # the mask mod's chunk term (paged_mask.py)
     options: ClassVar[FlexOptions] = FlexOptions()
 
     @classmethod

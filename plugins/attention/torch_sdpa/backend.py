@@ -9,13 +9,16 @@ new tokens alike -- and attends causally:
 
     context of request i:  positions 0 .. seq_len-1      (the last query_len of them are this step's)
     query row j (0-based within the request) sits at position seq_len - query_len + j and may see
-    key position p when  p <= that position  and, with a sliding window W,  p > that position - W.
+    key position p when  p <= that position  and, with a sliding window W,  p > that position - W,
+    or, with chunked local attention of chunk C (Llama 4),  p // C == that position // C.
 
 Contexts are read a whole block at a time (block_table rows index kv_cache[:, block]), not slot by slot:
 contiguous block_size-token reads instead of one gather per token. Decodes (the leading num_decodes
 requests, one query each) are batched over a padded [D, L = blocks * block_size] grid with a validity mask;
 prefills run one request at a time through SDPA. Scores and softmax are computed in float32 whatever the
-model dtype: the oracle favours accuracy over speed.
+model dtype (the oracle favours accuracy over speed), except for a bfloat16 model on the CPU: there SDPA
+reads the bf16 cache as it is (its CPU flash kernel accumulates in float32), since upcasting every context to
+float32 each layer would cost more than the bf16 matmuls save (platform/cpu_compute.py in the core).
 
 Attention sinks (AttentionLayerConfig.sinks, gpt-oss): head h's learned logit s_h joins every softmax as one
 more column with no value, as transformers' eager gpt-oss attention does:
@@ -84,10 +87,19 @@ def _store(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: f
         flat.index_copy_(0, slots, rows.to(flat.dtype))
 
 
+def _compute_dtype(query: torch.Tensor, plain: bool) -> torch.dtype:
+    """The dtype attention runs in: the model's bf16 on the CPU where SDPA computes it (the module docstring),
+    float32 otherwise."""
+    if plain and query.dtype == torch.bfloat16 and query.device.type == "cpu":
+        return torch.bfloat16
+    return torch.float32
+
+
 def _gather_context(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+    kv_cache: torch.Tensor, blocks: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given blocks as float32 [..., n_blocks * block_size, kv_heads, head] (one gather).
+    """K and V of the given blocks in `dtype` [..., n_blocks * block_size, kv_heads, head] (one gather).
 
     NOTE: index_select on a [2, num_blocks, block bytes] view copies whole blocks; on the CPU it is several
     times faster than advanced indexing with a 2-D index, and this gather is most of a decode step's attention.
@@ -96,7 +108,7 @@ def _gather_context(
     fp8 = _is_fp8(kv_cache.dtype)
     flat = (kv_cache.view(torch.uint8) if fp8 else kv_cache).view(two, num_blocks, block_size * kv_heads * head)
     kv = flat.index_select(1, blocks.reshape(-1))
-    kv = (kv.view(kv_cache.dtype) if fp8 else kv).float()
+    kv = kv.view(kv_cache.dtype).float() if fp8 else kv.to(dtype)
     kv = kv.view(two, *blocks.shape[:-1], blocks.shape[-1] * block_size, kv_heads, head)
     if fp8:
         return kv[0] * k_scale, kv[1] * v_scale
@@ -114,6 +126,7 @@ class TorchSDPAImpl:
         self.sliding_window = layer.sliding_window
         self.soft_cap = layer.logits_soft_cap
         self.sinks = layer.sinks  # [num_heads] or None; the model's parameter, read at every call
+        self.chunk_size = layer.attention_chunk_size  # chunked local attention (the module docstring), or None
         self.group = layer.num_heads // layer.num_kv_heads
         self.k_scale = 1.0  # fp8 KV cache only: stored = x / scale (see the module docstring)
         self.v_scale = 1.0
@@ -161,8 +174,8 @@ class TorchSDPAImpl:
     def c_decode_params(self, ops: Any) -> tuple[float, int, float] | None:
         """(scale, window or 0, soft cap or 0) when this layer's decode runs `ops`' C decode attention over the
         engine's paged cache (AttentionImpl's optional CPU decode members), None otherwise."""
-        if self.cpu_ops is None or self.cpu_ops is not ops or self.sinks is not None:  # the C kernel has no sinks
-            return None
+        if self.cpu_ops is None or self.cpu_ops is not ops or self.sinks is not None or self.chunk_size is not None:
+            return None  # the C kernel has neither sinks nor chunks
         return float(self.scale), int(self.sliding_window or 0), float(self.soft_cap or 0.0)
 
     def c_decode_step(
@@ -186,6 +199,7 @@ class TorchSDPAImpl:
         hs = self.head_size
         md.c_decode = (
             self.sinks is None
+            and self.chunk_size is None
             and md.num_decodes == query.shape[0] == common.num_actual_tokens
             and not md.prefills
             and kv_cache.dtype == query.dtype == key.dtype == value.dtype == torch.float32
@@ -204,23 +218,24 @@ class TorchSDPAImpl:
         assert md.decode_blocks is not None and md.decode_valid is not None
         assert md.decode_seq_lens is not None and md.decode_key_positions is not None
         num_decodes = query.shape[0]
+        plain = self.soft_cap is None and self.sinks is None  # SDPA computes it
+        cdt = _compute_dtype(query, plain)
         if md.decode_first_block is not None and not _is_fp8(kv_cache.dtype):
             # NOTE: a lone request's blocks are often consecutive ids (a fresh pool hands them out in order):
             # then its context is a view of the cache, no gather copy (the gather was ~55 us per layer).
             assert md.decode_blocks is not None
             start, count = md.decode_first_block, md.decode_blocks.shape[1]
             two, _, block_size, kv_heads, head = kv_cache.shape
-            kv = kv_cache[:, start : start + count].reshape(two, 1, count * block_size, kv_heads, head).float()
+            kv = kv_cache[:, start : start + count].reshape(two, 1, count * block_size, kv_heads, head).to(cdt)
             k, v = kv[0], kv[1]
         else:
-            k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale)  # [D, L, kvh, head]
-        plain = self.soft_cap is None and self.sinks is None  # SDPA computes it
-        if md.decode_common_len is not None and self.sliding_window is None and plain:
+            k, v = _gather_context(kv_cache, md.decode_blocks, self.k_scale, self.v_scale, cdt)  # [D, L, kvh, head]
+        if md.decode_common_len is not None and self.sliding_window is None and self.chunk_size is None and plain:
             # NOTE: all contexts end at the same position (single-stream decode): cut the gathered blocks to
             # it and attend without a mask (no mask to build or read; SDPA takes its unmasked path).
             length = md.decode_common_len
             out = F.scaled_dot_product_attention(
-                query.float().unsqueeze(2),
+                query.to(cdt).unsqueeze(2),
                 k[:, :length].transpose(1, 2),
                 v[:, :length].transpose(1, 2),
                 scale=self.scale,
@@ -233,11 +248,15 @@ class TorchSDPAImpl:
             valid = valid & (
                 md.decode_key_positions[None, :] >= md.decode_seq_lens[:, None] - self.sliding_window
             )
+        if self.chunk_size is not None:
+            # The query at position seq_len - 1 sees its own chunk only: from that chunk's first position on.
+            chunk_start = (md.decode_seq_lens - 1) // self.chunk_size * self.chunk_size
+            valid = valid & (md.decode_key_positions[None, :] >= chunk_start[:, None])
         if plain:
             # NOTE: SDPA reads the gathered K/V through strides (no permute copies) and handles GQA itself:
             # ~2.4x faster on the CPU than the einsum form below, which soft-capping still needs.
             out = F.scaled_dot_product_attention(
-                query.float().unsqueeze(2),  # [D, heads, 1, head]
+                query.to(cdt).unsqueeze(2),  # [D, heads, 1, head]
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=valid[:, None, None, :],
@@ -256,15 +275,21 @@ class TorchSDPAImpl:
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
-        q = query.float().transpose(0, 1)  # [heads, n, head]
-        k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale)
+        plain = self.soft_cap is None and self.sinks is None  # SDPA computes it
+        cdt = _compute_dtype(query, plain)
+        q = query.to(cdt).transpose(0, 1)  # [heads, n, head]
+        k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale, cdt)
         # Drop the unused tail of the last block. GQA: each KV head serves `group` consecutive query heads.
-        k = k[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)  # [heads, ctx, head]
-        v = v[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)
-        mask = seg.causal_mask
-        if self.sliding_window is not None:
-            mask = mask & (seg.key_positions[None, :] > seg.query_positions[:, None] - self.sliding_window)
-        if self.soft_cap is None and self.sinks is None:
+        k, v = k[: seg.context_len].transpose(0, 1), v[: seg.context_len].transpose(0, 1)  # [kv heads, ctx, head]
+        if cdt == torch.bfloat16:
+            # NOTE: SDPA's CPU flash kernel maps query heads to KV heads itself: no repeated copies of K/V.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._prefill_mask(seg), scale=self.scale,
+                                                 enable_gqa=True)
+            return out.transpose(0, 1)
+        k = k.repeat_interleave(self.group, dim=0)  # [heads, ctx, head]
+        v = v.repeat_interleave(self.group, dim=0)
+        mask = self._prefill_mask(seg)
+        if plain:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
             # SDPA has neither soft-cap nor sinks: spell the attention out.
@@ -275,6 +300,16 @@ class TorchSDPAImpl:
             probs = self._softmax(scores, None if self.sinks is None else self.sinks.view(self.num_heads, 1, 1))
             out = torch.matmul(probs, v)
         return out.transpose(0, 1)  # [n, heads, head]
+
+    def _prefill_mask(self, seg: PrefillSegment) -> torch.Tensor:
+        """[query_len, context_len] bool, True = may attend: causal, then the window or the chunk."""
+        mask = seg.causal_mask
+        if self.sliding_window is not None:
+            mask = mask & (seg.key_positions[None, :] > seg.query_positions[:, None] - self.sliding_window)
+        if self.chunk_size is not None:
+            chunk = self.chunk_size
+            mask = mask & (seg.key_positions[None, :] // chunk == seg.query_positions[:, None] // chunk)
+        return mask
 
     @staticmethod
     def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -287,10 +322,12 @@ class TorchSDPAImpl:
 
 
 class TorchSDPABackend:
-    """Reference backend: any device, any dtype torch supports, sliding window, soft-cap and sinks included."""
+    """Reference backend: any device, any dtype torch supports, sliding window, chunked local, soft-cap and sinks
+    included."""
 
     name: ClassVar[str] = "torch"
     supports_sinks: ClassVar[bool] = True  # AttentionLayerConfig.sinks (the module docstring)
+    supports_chunked_local: ClassVar[bool] = True  # AttentionLayerConfig.attention_chunk_size
 
     @staticmethod
     def kv_cache_shape(

@@ -71,6 +71,9 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append(f"head size {ctx.head_size} > 256")
     if ctx.sinks:
         reasons.append("attention sinks not supported (the kernels have no sink term)")
+    if ctx.chunked_local:
+        reasons.append("chunked local attention not supported (the kernels mask causally or by a sliding window, "
+                       "not by chunk; the torch and flex backends apply it)")
     return reasons
 
 

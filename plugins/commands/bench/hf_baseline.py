@@ -35,7 +35,10 @@ def load_hf_model(target: BenchTarget, dtype: str = "float32") -> Any:
         model = cls.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
     elif target.loader == "dummy":
         torch.manual_seed(target.seed)
-        model = cls.from_config(target.hf_config, dtype=torch_dtype)
+        # The engine reads config.json with its own reader (no transformers classes): transformers reads the
+        # same folder for its model.
+        config = transformers.AutoConfig.from_pretrained(target.model_ref, local_files_only=True)
+        model = cls.from_config(config, dtype=torch_dtype)
     else:
         model = cls.from_pretrained(target.model_ref, dtype=torch_dtype)
     return model.eval()

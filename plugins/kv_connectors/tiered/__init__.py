@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.api import KVConnectorCheckContext, RegisterKVConnector, hookimpl
 
-PAGEDLLM_PLUGIN_API = ">=1.4,<2"
+# 1.5: a prefix hit may load asynchronously (get_num_new_matched_tokens answers (tokens, load_async)).
+PAGEDLLM_PLUGIN_API = ">=1.5,<2"
 
 
 class TieredOptions(BaseModel):
@@ -29,6 +30,10 @@ class TieredOptions(BaseModel):
         "survives the engine, so a later engine of the same model and cache layout reuses it; None = no disk tier",
     )
     disk_gb: float = Field(10.0, gt=0, description="disk tier size cap in GiB (least recently used files out)")
+    disk_write_queue_blocks: int = Field(
+        256, ge=1, description="disk tier write-behind bound: blocks waiting in host memory for their file; past "
+        "it a demoted block is dropped (counted in disk_writes_dropped) rather than stalling a step",
+    )
 
 
 def _load() -> Any:

@@ -4,11 +4,19 @@ A block's KV is one host tensor [num cache tensors, *one block's slice of a tens
 engine's per-layer caches with duplicates dropped (layers sharing a tensor share its blocks), sliced along
 the backend's block axis. On CUDA the copies run on a side stream into pinned memory and the forward's stream
 waits for them (`fence`); on the CPU they are plain copies. The same calls serve both.
+
+The forward waits for every copy of its step's plan, and only those: a load fills a block it reads, a save
+reads a block it is about to overwrite (the evicted block's new owner). Disk files are written and read on
+the disk tier's own thread (disk_io.py), never in front of a forward.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Blocks per batched gather / scatter: bounds the device staging buffer (64 blocks of an 8B model's KV at
+# 16 tokens a block are 128 MiB).
+_CHUNK = 64
 
 
 class BlockIO:
@@ -40,29 +48,55 @@ class BlockIO:
         """A host tensor for one block (pinned on CUDA, so copies into it can be asynchronous)."""
         return torch.empty(self.block_shape, dtype=self.dtype, pin_memory=self.pinned)
 
-    def save(self, block_id: int) -> torch.Tensor:
-        """The block's KV, copied to a new host tensor (ordered after everything queued on the device so far)."""
-        out = self.empty()
+    def save(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The blocks' KV, each copied to a new host tensor (ordered after everything queued on the device so
+        far). Batched: per chunk of blocks one gather per cache tensor into a device staging buffer, then one
+        contiguous copy per block -- a copy per (block, layer) was ~30 Python-level copies a block."""
+        outs: list[torch.Tensor] = []
         with self._on_side_stream():
-            for j, t in enumerate(self.tensors):
-                out[j].copy_(t.select(self.axis, block_id), non_blocking=self.pinned)
-        return out
+            for start in range(0, len(block_ids), _CHUNK):
+                ids = block_ids[start:start + _CHUNK]
+                staging = self._staging(len(ids))
+                index = torch.tensor(ids, device=self.device)
+                for j, t in enumerate(self.tensors):
+                    staging[:, j] = t.index_select(self.axis, index).movedim(self.axis, 0)
+                for i in range(len(ids)):
+                    out = self.empty()
+                    out.copy_(staging[i], non_blocking=self.pinned)
+                    outs.append(out)
+        return outs
 
-    def load(self, block_id: int, data: torch.Tensor) -> None:
-        """Write a block's KV (a host tensor from `save` or a file) into device block `block_id`."""
+    def load(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
+        """Write blocks' KV (host tensors from `save` or files) into device blocks `block_ids`, batched as
+        `save` is (the targets are distinct blocks: one plan never loads two hits into one block)."""
         with self._on_side_stream():
-            for j, t in enumerate(self.tensors):
-                t.select(self.axis, block_id).copy_(data[j], non_blocking=self.pinned)
+            for start in range(0, len(block_ids), _CHUNK):
+                ids = block_ids[start:start + _CHUNK]
+                staging = self._staging(len(ids))
+                for i, data in enumerate(datas[start:start + _CHUNK]):
+                    staging[i].copy_(data, non_blocking=self.pinned)
+                index = torch.tensor(ids, device=self.device)
+                for j, t in enumerate(self.tensors):
+                    t.index_copy_(self.axis, index, staging[:, j].movedim(0, self.axis))
+
+    def _staging(self, n: int) -> torch.Tensor:
+        # Allocated on the side stream (inside _on_side_stream), so the caching allocator reuses it only
+        # after the copies queued there.
+        return torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.device)
 
     def fence(self) -> None:
         """Make the forward's stream wait for the copies queued so far (nothing to do on the CPU)."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def host_ready(self) -> None:
-        """Before the host reads a tensor `save` filled: wait for the copies (nothing to do on the CPU)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+    def copies_done_event(self) -> torch.cuda.Event | None:
+        """An event the copies queued so far record (None on the CPU, where they are done already): the disk
+        tier's I/O thread waits for it before writing a saved tensor, so the step does not."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _on_side_stream(self) -> torch.cuda.StreamContext | _NoStream:
         if self.stream is None:

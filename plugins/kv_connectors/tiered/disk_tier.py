@@ -12,6 +12,10 @@ File layout (little-endian), `<dir>/<layout fingerprint>/<block hash hex>.kvbloc
 A file that is short, long, of another fingerprint or hash, or whose payload does not match its checksum is a
 miss: it is logged, deleted and unindexed, and its tokens are computed instead. Files are written to a
 temporary name and renamed, so a crash mid-write leaves no half file under a block's name.
+
+Two sides, two threads: the index (which hashes have a file, LRU order) is the scheduler's, on the engine's
+thread; the file operations (`write`, `load`, `delete`) run on the tier's I/O thread (disk_io.py), one at a
+time in the order they were queued, and touch nothing but the files.
 """
 
 from __future__ import annotations
@@ -43,10 +47,10 @@ class DiskTier:
         self.block_shape, self.dtype, self.block_bytes = block_shape, dtype, block_bytes
         self.file_bytes = _HEADER.size + block_bytes
         self.capacity_blocks = max(1, capacity_bytes // self.file_bytes)
-        # Scheduler side: hashes whose file exists (or is written by the plan being built), LRU first. Files a
-        # previous engine left are indexed oldest first, by modification time.
+        # Scheduler side: hashes whose file exists or is queued to be written (the I/O thread runs the queue in
+        # order, so a read queued later finds the file), LRU first. Files a previous engine left are indexed
+        # oldest first, by modification time.
         self.index: OrderedDict[bytes, None] = OrderedDict()
-        self.written: set[bytes] = set()  # worker side: files on disk now (hits are read only from these)
         files = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:
@@ -54,42 +58,59 @@ class DiskTier:
             except ValueError:
                 continue
             self.index[block_hash] = None
-            self.written.add(block_hash)
-        self.corrupt_files = 0
 
     def path(self, block_hash: bytes) -> Path:
         return self.dir / (block_hash.hex() + _SUFFIX)
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self.index and block_hash in self.written
+        return block_hash in self.index
 
     # -- scheduler side --------------------------------------------------------------------------------------
 
-    def add(self, block_hash: bytes) -> list[bytes]:
-        """Index a block about to be written; returns the LRU hashes unindexed to stay under the cap."""
+    def add(self, block_hash: bytes, protected: set[bytes]) -> list[bytes]:
+        """Index a block about to be written; returns the LRU hashes unindexed to stay under the cap (none of
+        `protected`: hits being admitted, connector.py NOTE 3)."""
         self.index[block_hash] = None
         self.index.move_to_end(block_hash)
         dropped = []
-        while len(self.index) > self.capacity_blocks:
-            old, _ = self.index.popitem(last=False)
-            dropped.append(old)
+        over = len(self.index) - self.capacity_blocks
+        if over > 0:
+            for old in self.index:
+                if old not in protected:
+                    dropped.append(old)
+                    if len(dropped) == over:
+                        break
+            for old in dropped:
+                del self.index[old]
         return dropped
 
-    def read(self, block_hash: bytes) -> torch.Tensor | None:
-        """The block's KV from its file, verified; None (logged, file deleted, unindexed) if it does not verify."""
+    def touch(self, block_hash: bytes) -> None:
+        self.index.move_to_end(block_hash)
+
+    def unindex(self, block_hash: bytes) -> None:
+        """Forget a hash whose file turned out bad or missing (the I/O thread already deleted it)."""
+        self.index.pop(block_hash, None)
+
+    # -- I/O thread ----------------------------------------------------------------------------------------------
+
+    def load(self, block_hash: bytes) -> torch.Tensor | str:
+        """The block's KV from its file, verified; or why it is a miss (the bad file is deleted)."""
         path = self.path(block_hash)
         try:
             raw = path.read_bytes()
+        except FileNotFoundError:
+            return "missing (its write was dropped or failed)"
         except OSError as exc:
-            self._reject(block_hash, f"unreadable ({exc})")
-            return None
-        why = self._problem(block_hash, raw)
-        if why is not None:
-            self._reject(block_hash, why)
-            return None
-        self.index.move_to_end(block_hash)
-        data = torch.frombuffer(bytearray(memoryview(raw)[_HEADER.size:]), dtype=torch.uint8)
-        return data.view(self.dtype).reshape(self.block_shape)
+            why = f"unreadable ({exc})"
+        else:
+            problem = self._problem(block_hash, raw)
+            if problem is None:
+                data = torch.frombuffer(bytearray(memoryview(raw)[_HEADER.size:]), dtype=torch.uint8)
+                return data.view(self.dtype).reshape(self.block_shape)
+            why = problem
+        logger.warning("kv disk tier: %s is %s: a miss, its tokens are recomputed", path, why)
+        self.delete(block_hash)
+        return why
 
     def _problem(self, block_hash: bytes, raw: bytes) -> str | None:
         if len(raw) != self.file_bytes:
@@ -101,14 +122,6 @@ class DiskTier:
             return "a file whose checksum does not match its payload"
         return None
 
-    def _reject(self, block_hash: bytes, why: str) -> None:
-        logger.warning("kv disk tier: %s is %s: a miss, its tokens are recomputed", self.path(block_hash), why)
-        self.corrupt_files += 1
-        self.index.pop(block_hash, None)
-        self.delete(block_hash)
-
-    # -- worker side ---------------------------------------------------------------------------------------------
-
     def write(self, block_hash: bytes, data: torch.Tensor) -> int:
         """Write one block's file (temporary name, then renamed); returns the bytes written."""
         payload = data.contiguous().view(torch.uint8).numpy().tobytes()
@@ -119,10 +132,8 @@ class DiskTier:
             f.write(header)
             f.write(payload)
         os.replace(tmp, path)
-        self.written.add(block_hash)
         return len(header) + len(payload)
 
     def delete(self, block_hash: bytes) -> None:
-        self.written.discard(block_hash)
         with contextlib.suppress(FileNotFoundError):
             self.path(block_hash).unlink()

@@ -1,4 +1,4 @@
-"""A GGUF file's llama.cpp metadata as a transformers config, and its end-of-generation token ids.
+"""A GGUF file's llama.cpp metadata as the engine's model config, and its end-of-generation token ids.
 
 llama.cpp keys are ``{arch}.<name>`` (gguf-py's ``gguf/constants.py``, ``Keys``); the mapping to transformers
 config fields follows transformers' ``integrations/ggml.py``::
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
+from pagedllm.api.loading import model_config_from_dict
 from pagedllm.plugins.loaders.gguf.file import GGUFError, GGUFFile, GGUFTensor
 
 
@@ -31,6 +32,7 @@ class GGUFArch:
     """How one llama.cpp architecture maps onto a transformers config and model class."""
 
     config_class: str
+    model_type: str  # the config class's, which picks the defaults the config reader fills in
     hf_architecture: str
     # NOTE 1: llama.cpp's HF->GGUF converter interleaves the rows of q/k (weights and biases) of llama-family
     # models for its non-NeoX rotary kernel; qwen2/qwen3 use NeoX rotary and are stored unpermuted.
@@ -40,9 +42,9 @@ class GGUFArch:
 
 
 ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", True, True, ("attention_bias", "mlp_bias")),
-    "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", False, False, ()),
-    "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", False, True, ("attention_bias",)),
+    "llama": GGUFArch("LlamaConfig", "llama", "LlamaForCausalLM", True, True, ("attention_bias", "mlp_bias")),
+    "qwen2": GGUFArch("Qwen2Config", "qwen2", "Qwen2ForCausalLM", False, False, ()),
+    "qwen3": GGUFArch("Qwen3Config", "qwen3", "Qwen3ForCausalLM", False, True, ("attention_bias",)),
 }
 _BIAS_TENSORS = ("blk.0.attn_q.bias", "blk.0.ffn_up.bias")  # paired with GGUFArch.bias_flags in order
 
@@ -67,9 +69,9 @@ def head_counts(gguf: GGUFFile, arch: str) -> tuple[int, int]:
 
 
 def build_hf_config(gguf: GGUFFile) -> Any:
-    """A transformers LlamaConfig / Qwen2Config / Qwen3Config built from the file's metadata alone."""
-    import transformers
-
+    """The engine's config (as transformers' LlamaConfig / Qwen2Config / Qwen3Config would read it) built from
+    the file's metadata alone, without importing transformers' config classes (their import is most of a
+    second of start-up)."""
     arch, spec = gguf_arch(gguf)
     md = gguf.metadata
     tensors = {t.name: t for t in gguf.tensors}
@@ -109,7 +111,7 @@ def build_hf_config(gguf: GGUFFile) -> Any:
         kwargs["head_dim"] = head_dim
     for flag, tensor in zip(spec.bias_flags, _BIAS_TENSORS, strict=False):
         kwargs[flag] = tensor in tensors
-    return getattr(transformers, spec.config_class)(**kwargs)
+    return model_config_from_dict({"model_type": spec.model_type, **kwargs})
 
 
 def eos_token_ids(gguf: GGUFFile) -> list[int]:

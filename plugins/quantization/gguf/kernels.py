@@ -5,6 +5,7 @@ embedding and LM head share one quantized copy):
 
     NativeKernel      Q4_0, Q4_1, Q8_0 on the CPU: the file's blocks as they are, read by our C kernels
                       (gguf_cpu.c, built at first use) with float32 activations: the default on the CPU
+                      (large products through a bf16 copy where the CPU has bf16 units: NOTE 4)
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
@@ -39,6 +40,12 @@ _ACT = torch.bfloat16  # NOTE 1
 # matrix in C and lets MKL's float32 GEMM do the rest; below it its own kernel decodes each block once per 4
 # rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
 NATIVE_GEMM_ROWS = 16
+# NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= NATIVE_GEMM_ROWS products run a bf16 GEMM
+# on a bf16 copy of the matrix made once at load (`keep_bf16_copy`; the engine's `cpu_kernels`, chosen in
+# pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per call: torch's bf16 GEMM ran ~2-3.5x
+# its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call dequantization (424 MB of float32
+# writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
+# costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
 
 
 class NativeKernel(nn.Module):
@@ -52,6 +59,15 @@ class NativeKernel(nn.Module):
         self.ggml_type = int(ggml_type)
         self.n, self.k = shape
         self._lib = lib
+        self._bf16: torch.Tensor | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
+
+    def keep_bf16_copy(self) -> None:
+        """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4)."""
+        self._bf16 = self.dequantize().to(torch.bfloat16)
+
+    def uses_bf16(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the bf16 GEMM (NOTE 4)."""
+        return self._bf16 is not None and x.numel() // self.k >= NATIVE_GEMM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] < NATIVE_GEMM_ROWS and x.dtype == torch.float32 and x.is_contiguous():
@@ -61,6 +77,9 @@ class NativeKernel(nn.Module):
             self._lib.matmul(self.ggml_type, self._buffers["blocks"], self.n, self.k, x, y)
             return y
         flat = x.reshape(-1, self.k)
+        if self._bf16 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
+            y = F.linear(flat.to(torch.bfloat16), self._bf16).to(x.dtype)
+            return y.reshape(*x.shape[:-1], self.n)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
         if flat.shape[0] >= NATIVE_GEMM_ROWS:

@@ -20,6 +20,11 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
     dummy_type: "Q4_0" (default) -- `load_format: dummy` (a config.json with quant_method "gguf", no file):
                                     every matrix gets random blocks of this type (gguf_blocks.random_blocks),
                                     drawn on the model's device
+    batch_gemm: "float32" (default) -- CPU products of >= 16 rows (prefill, batches): the matrix dequantized
+                                    to float32 per call, then a float32 GEMM
+                "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4)
+                                    (not a `plugins.gguf` key: the engine passes it from its `cpu_kernels`,
+                                    chosen by the CPU's bf16 units and the memory the copy would take)
 
 On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf/triton_gemm.py (TritonKernel); any other
 type, or no Triton, falls back to a per-call dequantization, and the reason is logged once per type and kept
@@ -60,6 +65,7 @@ logger = logging.getLogger("pagedllm")
 
 _EMBEDDING_MODES = ("keep", "int4")
 _CPU_KERNELS = ("auto", "native", "aten")
+_BATCH_GEMMS = ("float32", "bfloat16")
 NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what gguf_cpu.c decodes
 # What gguf/triton_gemm.py decodes (its TRITON_TYPES; kept here so choosing a kernel does not import triton).
 TRITON_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -128,7 +134,7 @@ class GGUFConfig:
 
     def __init__(
         self, embedding: str = "keep", cache_dequantized: bool = False, cpu_kernel: str = "auto",
-        dummy_type: str = "Q4_0",
+        dummy_type: str = "Q4_0", batch_gemm: str = "float32",
     ) -> None:
         if dummy_type.upper() not in {t.name for t in F16_FIELDS}:
             raise ValueError(f"gguf: dummy_type must be one of {', '.join(t.name for t in F16_FIELDS)}, "
@@ -138,6 +144,9 @@ class GGUFConfig:
             raise ValueError(f"gguf: embedding must be one of {_EMBEDDING_MODES}, not {embedding!r}")
         if cpu_kernel not in _CPU_KERNELS:
             raise ValueError(f"gguf: cpu_kernel must be one of {_CPU_KERNELS}, not {cpu_kernel!r}")
+        if batch_gemm not in _BATCH_GEMMS:
+            raise ValueError(f"gguf: batch_gemm must be one of {_BATCH_GEMMS}, not {batch_gemm!r}")
+        self.batch_gemm = batch_gemm
         self.embedding = embedding
         self.cache_dequantized = cache_dequantized
         self.cpu_kernel = cpu_kernel
@@ -164,6 +173,7 @@ class GGUFConfig:
             bool(config.get("cache_dequantized", False)),
             str(config.get("cpu_kernel", "auto")),
             str(config.get("dummy_type", "Q4_0")),
+            str(config.get("batch_gemm", "float32")),
         )
 
     def native_library(self) -> Any:
@@ -266,6 +276,8 @@ class _PieceCollector:
             blocks = GGUFBlocks(data.cpu(), run[0].ggml_type, (sum(p.shape[0] for p in run), run[0].shape[1]))
             native = self.config.native_library() if device.type == "cpu" else None
             kernel = make_kernel(blocks, state.dtype, device, self.config.cache_dequantized, native)
+            if self.config.batch_gemm == "bfloat16" and isinstance(kernel, NativeKernel):
+                kernel.keep_bf16_copy()
             kernels.append((kernel, blocks.shape[0]))
         return kernels
 
@@ -382,4 +394,24 @@ class GGUFEmbeddingMethod(_PieceCollector):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
-        return cast(torch.Tensor, _kernels(layer)[0].forward(x))
+        kernel = _kernels(layer)[0]
+        logits = cast(torch.Tensor, kernel.forward(x))
+        if isinstance(kernel, NativeKernel) and kernel.uses_bf16(x):
+            # NOTE: a bf16 GEMM rounds each logit to 8 significant bits (0.125 apart at the magnitudes where a
+            # real model's top logits sit), so near-ties flip the greedy token; the leading candidates are
+            # recomputed in float32 from the exact rows of the blocks (SmolLM2's teacher-forced top-1 agreement
+            # with the float32 kernels: 98.7 % without, tests/test_cpu_dtype.py).
+            logits = _exact_top_logits(logits, x, kernel)
+        return logits
+
+
+_TOP_CANDIDATES = 8  # GGUFEmbeddingMethod.apply's NOTE
+
+
+def _exact_top_logits(logits: torch.Tensor, x: torch.Tensor, kernel: NativeKernel) -> torch.Tensor:
+    """float32 logits [N, V] whose leading _TOP_CANDIDATES entries per row are recomputed in float32."""
+    out = logits.float()
+    top = out.topk(min(_TOP_CANDIDATES, out.shape[-1]), dim=-1).indices  # [N, k]
+    rows = kernel.rows(top.reshape(-1)).view(*top.shape, -1)  # [N, k, hidden], exact float32
+    exact = torch.einsum("nh,nkh->nk", x.float(), rows)
+    return out.scatter_(-1, top, exact)

@@ -12,6 +12,12 @@ blocks each, so ~865 are admitted and ~55 are preempted as their 128 outputs gro
 request is admitted only if the free blocks left after it still cover every running request's next
 `headroom` tokens (capped by its max_tokens: W1's 128) and its own: W1 admits ~770, none is preempted.
 Preemption stays the fallback for growth beyond the headroom.
+
+NOTE 3 (encoder budget, encoder-decoder models). A request's encoder runs in the step that admits it, over its
+whole encoder prompt, and those tokens are not in the token budget above (they are not the request's own
+tokens). As vLLM's encoder compute budget does, the encoder prompts admitted in one step sum to at most
+max_num_batched_tokens -- except the step's first, which always runs, so an encoder prompt longer than the
+budget is not starved.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class FCFSScheduler(SchedulerBase):
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted_now = False
+        # Requests whose KV-connector loads finished rejoin the running list (as prefills past what arrived).
+        self.resume_loaded()
 
         # 1. Running requests: decodes and unfinished prefill chunks. This loop runs for every running request
         #    at every step, so the checks are written out on the request's fields (ends_in_flight and
@@ -71,19 +79,36 @@ class FCFSScheduler(SchedulerBase):
         # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck; admitting
         #    more would just preempt again), each only if the running ones keep their headroom (NOTE 2).
         headroom = self.config.admission_headroom_tokens
-        admitting = self.waiting and not preempted_now and len(self.running) < self.config.max_num_seqs
+        # Parked requests (waiting for a connector's load) count against max_num_seqs: they hold blocks and
+        # rejoin the running list when their KV arrives.
+        max_seqs = self.config.max_num_seqs - len(self.loading)
+        admitting = self.waiting and not preempted_now and len(self.running) < max_seqs
         reserved = self.headroom_blocks(headroom) if headroom and admitting else 0
-        while (self.waiting and budget > 0 and not preempted_now and len(self.running) < self.config.max_num_seqs
+        encoder_budget = self.config.max_num_batched_tokens  # NOTE 3
+        while (self.waiting and budget > 0 and not preempted_now and len(self.running) < max_seqs
                and len(num_scheduled) < cap):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted while a step in flight samples for it: its token lands with the next update
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             # Blocks a KV connector holds past the device hit are loaded, not computed: they get slots now.
-            external = self.external_prefix_hit(req, num_computed) if self.kv_connector is not None else 0
+            external, load_async = self.match_external(req, num_computed) if self.kv_connector is not None \
+                else (0, False)
+            if load_async:
+                # They arrive in the background (a disk read): the request waits outside the batch, holding
+                # its blocks, and costs this step nothing; the next ones go on being admitted.
+                own = self.growth_blocks(req, headroom, num_computed + external) if headroom else 0
+                if not self.park_for_external_load(req, num_computed, computed_blocks, external,
+                                                   reserved + own if self.running else 0):
+                    break
+                max_seqs -= 1
+                continue
             num_new = req.num_tokens - num_computed - external
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
+            num_encoder = req.num_encoder_tokens
+            if num_encoder > encoder_budget and encoder_budget < self.config.max_num_batched_tokens:
+                break  # NOTE 3: its encoder waits for the next step (the first one each step always runs)
             num_new = min(num_new, budget)
             own = self.growth_blocks(req, headroom, num_computed + external + num_new) if headroom else 0
             # With nothing running the request is admitted whatever its growth: something must make progress.
@@ -97,6 +122,7 @@ class FCFSScheduler(SchedulerBase):
             self._admit(req, num_computed + external)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+            encoder_budget -= num_encoder
 
         return self.make_output(num_scheduled)
 

@@ -1,0 +1,141 @@
+"""The CPU's compute defaults, chosen from what the processor has (platform/cpu_features.py).
+
+Two choices, each returned with the reason `pagedllm config show --resolve` and the start-up log print:
+
+1. The compute dtype for `dtype: auto` on the CPU: bfloat16 where the CPU has bf16 dot products (AMX-BF16 or
+   AVX512-BF16), float32 otherwise. Weights, activations and the KV cache then share that dtype; oneDNN runs
+   the bf16 GEMMs on those units.
+2. For a GGUF file kept quantized (`cpu_kernels`, EngineConfig): which GEMM its large products (prefill,
+   batches of >= 16 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load, where the CPU has bf16
+   units, or the matrix dequantized to float32 per call; decode (fewer rows) stays on gguf_cpu.c's kernels.
+
+NOTE 1: measured on an AMD EPYC (Zen 4: AVX512-BF16, no AMX; 2 cores, loaded), 2026-12-01: torch's bf16 GEMM
+ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row bf16 products carry ~40 us of
+fixed cost (576 x 576: 50 us against float32's 30 us), so single-stream decode is no faster in bf16 at that
+size. A dense model therefore runs in bf16 where the units exist (the bigger the matrices, the more bf16's
+halved bytes win at one row too: 4096 x 4096 ran 13.5 ms against 18.2 ms); a GGUF model keeps its C kernels
+for decode (faster than either dense GEMV there) and takes bf16 only for the large products.
+NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
+takes at most half the memory available at start-up, so a model that fits only quantized still loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pagedllm.platform.cpu_features import CPUFeatures
+
+CpuKernels = Literal["auto", "quantized", "bf16"]
+# NOTE 2: the share of available memory a bf16 copy of the weights may take.
+DEQUANTIZED_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class CpuChoice:
+    """One choice and why it was made (a sentence naming the flag or key that decided it)."""
+
+    value: str
+    reason: str
+
+
+def resolve_cpu_dtype(requested: str, quantization: str, features: CPUFeatures) -> CpuChoice:
+    """The CPU compute dtype for the config's `dtype` and the chosen quantization method's name.
+
+    Only an unquantized model follows the probe: GGUF's kept-quantized C kernels (and the CPU fused ops that
+    come with them) take float32 activations, and the other methods' CPU paths are float32 references.
+    """
+    if requested != "auto":
+        return CpuChoice(requested, f"dtype: {requested} (config)")
+    if quantization != "none":
+        return CpuChoice("float32", f"dtype auto: quantization {quantization} on the CPU runs float32 activations")
+    return choose_cpu_dtype(features)
+
+
+def choose_cpu_dtype(features: CPUFeatures) -> CpuChoice:
+    """`dtype: auto` on the CPU: bfloat16 on hardware bf16 dot products, float32 otherwise."""
+    if features.amx_bf16:
+        return CpuChoice("bfloat16", "dtype auto: the CPU has AMX-BF16 (bf16 GEMMs on its matrix tiles through oneDNN)")
+    if features.avx512_bf16:
+        return CpuChoice("bfloat16", "dtype auto: the CPU has AVX512-BF16 (bf16 dot products through oneDNN)")
+    have = features.summary()
+    return CpuChoice("float32", f"dtype auto: no AMX-BF16 or AVX512-BF16 on this CPU ({have}): float32")
+
+
+def choose_gguf_batch_gemm(
+    features: CPUFeatures, requested: CpuKernels, bf16_copy_bytes: int | None, available_bytes: int | None
+) -> CpuChoice:
+    """Which GEMM a kept-quantized GGUF model's large products (>= 16 rows: prefill, batches) run on the CPU:
+    'bfloat16' (a bf16 copy of each matrix made at load) or 'float32' (each matrix dequantized per call).
+
+    :param requested: the config's `cpu_kernels` ('auto' lets this rule decide; 'quantized' = float32).
+    :param bf16_copy_bytes: the bf16 copy's size (an estimate), None when unknown.
+    :param available_bytes: the memory available now, None when unknown.
+    """
+    if requested == "bf16":
+        return CpuChoice("bfloat16", "cpu_kernels: bf16 (config): large products on a bf16 copy of the weights")
+    if requested == "quantized":
+        return CpuChoice("float32", "cpu_kernels: quantized (config): every product on the GGUF blocks")
+    if not features.bf16_matrix_units:
+        return CpuChoice(
+            "float32",
+            f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product on "
+            "the GGUF blocks",
+        )
+    too_big = bf16_copy_bytes is not None and available_bytes is not None and (
+        bf16_copy_bytes > DEQUANTIZED_MEMORY_SHARE * available_bytes
+    )
+    if too_big:
+        assert bf16_copy_bytes is not None and available_bytes is not None
+        return CpuChoice(
+            "float32",
+            f"cpu_kernels auto: a bf16 copy of the weights ({bf16_copy_bytes / 2**30:.1f} GiB) would take more "
+            f"than {DEQUANTIZED_MEMORY_SHARE:.0%} of the {available_bytes / 2**30:.1f} GiB available: every "
+            "product on the GGUF blocks",
+        )
+    units = "AMX-BF16" if features.amx_bf16 else "AVX512-BF16"
+    return CpuChoice(
+        "bfloat16",
+        f"cpu_kernels auto: {units} on this CPU: products of >= 16 rows run bf16 GEMMs on a bf16 copy of the "
+        "weights made at load; decode stays on the GGUF C kernels",
+    )
+
+
+def dense_weight_bytes(hf_config: Any, itemsize: int) -> int | None:
+    """The decoder's linear and embedding weights' size at `itemsize` bytes an element (a Llama-shaped
+    estimate from the config: attention, gated MLP, embedding and untied LM head), None without the sizes."""
+    try:
+        hidden = int(hf_config.hidden_size)
+        layers = int(hf_config.num_hidden_layers)
+        vocab = int(hf_config.vocab_size)
+        heads = int(hf_config.num_attention_heads)
+        inter = int(getattr(hf_config, "intermediate_size", 4 * hidden))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    head = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    per_layer = hidden * head * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    embeddings = vocab * hidden * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
+    return (layers * per_layer + embeddings) * itemsize
+
+
+def default_num_threads(features: CPUFeatures, env: Mapping[str, str]) -> int | None:
+    """torch's intra-op threads when the config names none: one per physical core this process may use
+    (hyperthread siblings share the core's matrix units, so a second thread there only adds a straggler to
+    every op's barrier); None where OMP_NUM_THREADS / TORCH_NUM_THREADS already say how many."""
+    if env.get("OMP_NUM_THREADS") or env.get("TORCH_NUM_THREADS"):
+        return None
+    return max(1, features.physical_cores)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
