@@ -1,7 +1,9 @@
 """BART (an encoder-decoder) against transformers' `generate`: greedy tokens of a mixed-length batch through
-chunked prefill; the encoder output's cross-attention K/V in their own KV-cache group (the `cross_attention`
-manager): allocated once per request from the encoder length, never grown, never a prefix hit, freed at finish;
-preemption under a tiny KV pool recomputes the same tokens; vLLM's prompt spellings and their errors."""
+chunked prefill (also with async scheduling and with the flex backend); the encoder output's cross-attention
+K/V in their own KV-cache group (the `cross_attention` manager): allocated once per request from the encoder
+length, never grown, never a prefix hit, freed at finish and abort, driven by the conformance kit; preemption
+under a tiny KV pool recomputes the same tokens; the scheduler's encoder budget; the profiling step's encoder
+rows; the cross-attention pseudo-batch layout; vLLM's prompt spellings and their errors; the server (slow)."""
 
 from __future__ import annotations
 
@@ -239,6 +241,21 @@ def test_cross_blocks_allocated_once_and_freed_at_finish(model_dir: str, llm: LL
     assert not cross.req_to_blocks and not self_attn.req_to_blocks
 
 
+def test_abort_frees_the_cross_blocks(llm: LLM) -> None:
+    engine: LLMEngine = llm.engine
+    self_attn, cross = engine.parts.kv_cache_manager.coordinator.managers
+    for rid in ("x", "y"):
+        engine.add_request(rid, {"encoder_prompt": list(range(60, 90))}, GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert len(cross.get_blocks("x")) == len(cross.get_blocks("y")) == math.ceil(30 / BLOCK)
+    engine.abort_request(["x"])
+    assert not cross.get_blocks("x") and not self_attn.get_blocks("x") and cross.get_blocks("y")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not cross.req_to_blocks and engine.kv_cache_usage == 0.0
+
+
 def test_preemption_recomputes_the_same_tokens(model_dir: str, llm: LLM) -> None:
     cases = _cases(model_dir) * 2
     prompts = [prompt for prompt, _, _ in cases]
@@ -291,6 +308,16 @@ def test_the_encoder_prompt_crosses_the_process_boundary() -> None:
     back = request_from_message(make_add_request(request))
     assert back.encoder_prompt_token_ids == [7, 8, 9] and back.num_encoder_tokens == 3
     assert back.prompt_token_ids == [2, 5]
+
+
+def test_the_conformance_kit_drives_the_cross_attention_manager() -> None:
+    """pagedllm.testing's random workload (admissions, chunked prefill, preemption, eviction) with encoder
+    prompts: ref counts, free queue, idle requests holding nothing, the pool whole at the end."""
+    from pagedllm.testing import check_kv_manager
+
+    report = check_kv_manager("cross_attention")
+    assert report.admissions > 50 and report.preemptions > 10 and report.allocation_failures > 0
+    assert report.hit_blocks == 0  # never a prefix hit, by design
 
 
 def test_cross_attention_manager_accounting() -> None:

@@ -106,3 +106,9 @@ def test_docs_are_served_without_a_cdn(server: LiveServer) -> None:
     assert "SwaggerUIBundle" in bundle.text
     # The docs and their assets are behind the API key like every other route but the probes.
     assert httpx.get(f"{server.url}/docs", timeout=30).status_code == 401
+
+
+def test_models_list_names_the_root_as_vllm_does(server: LiveServer, default_gguf: str) -> None:
+    """vLLM's /v1/models has `root` (the model behind the served name); its `bench serve` reads it."""
+    card = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    assert card["data"][0]["root"] == default_gguf and card["data"][0]["max_model_len"] == 512

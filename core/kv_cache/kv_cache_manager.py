@@ -14,6 +14,7 @@ from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.coordinator import KVCacheCoordinator, ManagerFactory
 from pagedllm.kv_cache.hashing import update_block_hashes
 from pagedllm.kv_cache.single_type_manager import SingleTypeKVCacheManagerBase
+from pagedllm.kv_cache.spec import CrossAttentionSpec
 
 if TYPE_CHECKING:
     from pagedllm.kv_cache.spec import KVCacheSpec
@@ -116,6 +117,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # The one group's manager when there is one group (the decode fast path needs no coordination).
         self._single = self.coordinator.managers[0] if self.coordinator.num_groups == 1 else None
+        if isinstance(config.groups[0].spec, CrossAttentionSpec):
+            self._single = None  # the fast path counts the request's own tokens (coordinator.py NOTE 1)
         self._single_base = (
             self._single if isinstance(self._single, SingleTypeKVCacheManagerBase) else None
         )

@@ -136,10 +136,13 @@ class KVBooks:
         rid = request.request_id
         for g, ids in enumerate(table):
             bs = self.block_sizes[g]
-            if len(ids) * bs < request.num_computed_tokens:
+            # A cross-attention group holds the encoder's tokens instead (spec.tokens_to_hold).
+            spec = self.kv.config.groups[g].spec
+            need = spec.tokens_to_hold(request.num_computed_tokens, request.num_encoder_tokens)
+            if len(ids) * bs < need:
                 raise AssertionError(
-                    f"{prefix}: request {rid!r} has {request.num_computed_tokens} computed tokens but group {g} "
-                    f"holds only {len(ids)} blocks of {bs}"
+                    f"{prefix}: request {rid!r} has {request.num_computed_tokens} computed tokens ({need} slots to "
+                    f"hold in group {g}) but group {g} holds only {len(ids)} blocks of {bs}"
                 )
         before = self.tables.get(rid)
         if before is not None:

@@ -10,6 +10,10 @@ blocks were written with. At the end everything is freed and the pool must be wh
 
 One fixed scenario also checks that caching works at all (for attention specs by default): a request repeating
 a finished request's prompt must get a hit.
+
+A cross-attention manager (CrossAttentionSpec) holds each request's encoder output: the workload's requests
+then carry random encoder prompts, and the books expect the group to cover the encoder's tokens
+(`spec.tokens_to_hold`), not the decoder's; such a manager never caches by design.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pagedllm.kv_cache.kv_cache_manager import KVCacheConfig, KVCacheGroup, KVCa
 from pagedllm.kv_cache.spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -71,6 +76,8 @@ def default_spec(spec_type: type, block_size: int = BLOCK_SIZE) -> KVCacheSpec:
                                          attention_chunk_size=block_size + block_size // 2)
     if spec_type is MambaSpec:
         return MambaSpec(block_size, (4, 3), (4, 8), torch.float32)
+    if spec_type is CrossAttentionSpec:  # encoder prompts of up to three blocks
+        return CrossAttentionSpec(block_size, 1, 8, torch.float32, max_encoder_len=3 * block_size)
     raise TypeError(f"no default spec for {spec_type.__name__}; pass spec=... to check_kv_manager")
 
 
@@ -98,30 +105,35 @@ def check_kv_manager(
         if spec_type is None:
             raise AssertionError(f"kv_manager {name!r} was registered without spec_type=...; the engine cannot pick it")
         spec = default_spec(spec_type)
+    encoder_len = spec.max_encoder_len if isinstance(spec, CrossAttentionSpec) else 0
     if expect_prefix_hits is None:
-        expect_prefix_hits = isinstance(spec, AttentionSpec)
+        expect_prefix_hits = isinstance(spec, AttentionSpec) and not encoder_len
     report = KVManagerReport(name, seeds=list(seeds))
 
     def new_cache() -> KVCacheManager:
         config = KVCacheConfig(num_blocks, [KVCacheGroup(spec, [0])])
         return KVCacheManager(config, [manager_cls], enable_caching=True, max_model_len=4096)
 
-    _repeat_hits(new_cache(), name, spec.block_size, expect_prefix_hits, report)
+    _repeat_hits(new_cache(), name, spec.block_size, expect_prefix_hits, report, encoder_len)
     for seed in seeds:
-        _Workload(new_cache(), f"kv_manager {name!r} (seed {seed})", random.Random(seed), report).run(num_operations)
+        _Workload(new_cache(), f"kv_manager {name!r} (seed {seed})", random.Random(seed), report,
+                  encoder_len).run(num_operations)
     return report
 
 
-def _repeat_hits(kv: KVCacheManager, name: str, bs: int, expect: bool, report: KVManagerReport) -> None:
+def _repeat_hits(
+    kv: KVCacheManager, name: str, bs: int, expect: bool, report: KVManagerReport, encoder_len: int = 0
+) -> None:
     """A prompt of four full blocks and one token, finished, then asked again with three more tokens."""
     books = KVBooks(kv, f"kv_manager {name!r} (repeated prompt)")
     prompt = list(range(10, 10 + 4 * bs + 1))
-    first = _request("first", prompt)
+    encoder = list(range(20, 20 + encoder_len)) or None
+    first = _request("first", prompt, encoder=encoder)
     _admit(kv, books, first, first.num_tokens, "admitting the first request")
     kv.free(first)
     books.released(first.request_id)
     books.check([], [first], "after freeing the first request")
-    second = _request("second", prompt + [3, 4, 5])
+    second = _request("second", prompt + [3, 4, 5], encoder=encoder)
     hits, num_hit = kv.get_computed_blocks(second)
     books.check_hits(second, hits, num_hit, "the repeated prompt")
     if expect and num_hit == 0:
@@ -139,8 +151,8 @@ def _repeat_hits(kv: KVCacheManager, name: str, bs: int, expect: bool, report: K
     books.check_all_free("after freeing everything")
 
 
-def _request(rid: str, prompt: list[int], salt: str | None = None) -> Request:
-    return Request(rid, list(prompt), SamplingParams(), cache_salt=salt)
+def _request(rid: str, prompt: list[int], salt: str | None = None, encoder: list[int] | None = None) -> Request:
+    return Request(rid, list(prompt), SamplingParams(), cache_salt=salt, encoder_prompt_token_ids=encoder)
 
 
 def _admit(kv: KVCacheManager, books: KVBooks, req: Request, chunk: int, where: str) -> bool:
@@ -158,8 +170,11 @@ def _admit(kv: KVCacheManager, books: KVBooks, req: Request, chunk: int, where: 
 class _Workload:
     """A seeded random scheduler stand-in: add, admit, advance, preempt and finish requests."""
 
-    def __init__(self, kv: KVCacheManager, label: str, rng: random.Random, report: KVManagerReport) -> None:
+    def __init__(
+        self, kv: KVCacheManager, label: str, rng: random.Random, report: KVManagerReport, encoder_len: int = 0
+    ) -> None:
         self.kv, self.rng, self.report = kv, rng, report
+        self.encoder_len = encoder_len  # the longest encoder prompt; 0: requests have none
         self.books = KVBooks(kv, label)
         self.bs = kv.block_size
         self.running: dict[str, Request] = {}
@@ -200,7 +215,9 @@ class _Workload:
         rng = self.rng
         prompt = [rng.choice(ALPHABET) for _ in range(rng.randint(1, 4 * self.bs + 2))]
         salt = "tenant" if rng.random() < 0.15 else None
-        req = _request(f"r{self.counter}", prompt, salt)
+        encoder = ([rng.choice(ALPHABET) for _ in range(rng.randint(1, self.encoder_len))]
+                   if self.encoder_len else None)
+        req = _request(f"r{self.counter}", prompt, salt, encoder)
         self.counter += 1
         self.waiting[req.request_id] = req
 

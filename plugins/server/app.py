@@ -197,7 +197,8 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=engine.model_name, root=engine.config.model or engine.model_name,
+                                         max_model_len=engine.max_model_len)])
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_SSE_200, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, raw: Request) -> Any:

@@ -446,6 +446,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
+    # vLLM's: what the served name stands for (the model path); `vllm bench serve` without --model reads it.
+    root: str | None = None
     max_model_len: int | None = None
 
 

@@ -16,9 +16,10 @@ Contexts are read a whole block at a time (block_table rows index kv_cache[:, bl
 contiguous block_size-token reads instead of one gather per token. Decodes (the leading num_decodes
 requests, one query each) are batched over a padded [D, L = blocks * block_size] grid with a validity mask;
 prefills run one request at a time through SDPA. Scores and softmax are computed in float32 whatever the
-model dtype (the oracle favours accuracy over speed), except for a bfloat16 model on the CPU: there SDPA
-reads the bf16 cache as it is (its CPU flash kernel accumulates in float32), since upcasting every context to
-float32 each layer would cost more than the bf16 matmuls save (platform/cpu_compute.py in the core).
+model dtype (the oracle favours accuracy over speed), except for a bfloat16 model's decodes on the CPU: there
+SDPA reads the bf16 cache as it is (it accumulates in float32) rather than an upcast copy of every context
+each layer (SmolLM2, 16 decodes a step: 234 ms of bf16 bmm against 314 ms in float32, and half the gather
+bytes). Prefill stays float32 (`_prefill`'s NOTE).
 
 Attention sinks (AttentionLayerConfig.sinks, gpt-oss): head h's learned logit s_h joins every softmax as one
 more column with no value, as transformers' eager gpt-oss attention does:
@@ -88,8 +89,8 @@ def _store(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: f
 
 
 def _compute_dtype(query: torch.Tensor, plain: bool) -> torch.dtype:
-    """The dtype attention runs in: the model's bf16 on the CPU where SDPA computes it (the module docstring),
-    float32 otherwise."""
+    """The dtype decode attention runs in: the model's bf16 on the CPU where SDPA computes it (the module
+    docstring), float32 otherwise."""
     if plain and query.dtype == torch.bfloat16 and query.device.type == "cpu":
         return torch.bfloat16
     return torch.float32
@@ -275,21 +276,16 @@ class TorchSDPAImpl:
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
-        plain = self.soft_cap is None and self.sinks is None  # SDPA computes it
-        cdt = _compute_dtype(query, plain)
-        q = query.to(cdt).transpose(0, 1)  # [heads, n, head]
-        k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale, cdt)
+        # NOTE: float32 even for a bf16 model on the CPU: SDPA's CPU flash kernel (the prefill's path) ran ~3x
+        # slower per call in bf16 (with enable_gqa) than in float32 (K/V repeated per head) on an AVX512-BF16
+        # EPYC without AMX: 4.2 against 1.5 ms, SmolLM2 prompts of 32-128 tokens. Not yet measured with AMX.
+        q = query.float().transpose(0, 1)  # [heads, n, head]
+        k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale)
         # Drop the unused tail of the last block. GQA: each KV head serves `group` consecutive query heads.
-        k, v = k[: seg.context_len].transpose(0, 1), v[: seg.context_len].transpose(0, 1)  # [kv heads, ctx, head]
-        if cdt == torch.bfloat16:
-            # NOTE: SDPA's CPU flash kernel maps query heads to KV heads itself: no repeated copies of K/V.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._prefill_mask(seg), scale=self.scale,
-                                                 enable_gqa=True)
-            return out.transpose(0, 1)
-        k = k.repeat_interleave(self.group, dim=0)  # [heads, ctx, head]
-        v = v.repeat_interleave(self.group, dim=0)
+        k = k[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)  # [heads, ctx, head]
+        v = v[: seg.context_len].repeat_interleave(self.group, dim=1).transpose(0, 1)
         mask = self._prefill_mask(seg)
-        if plain:
+        if self.soft_cap is None and self.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
             # SDPA has neither soft-cap nor sinks: spell the attention out.

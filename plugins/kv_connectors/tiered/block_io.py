@@ -44,15 +44,10 @@ class BlockIO:
         self.pinned = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.pinned else None
 
-    def empty(self) -> torch.Tensor:
-        """A host tensor for one block (pinned on CUDA, so copies into it can be asynchronous)."""
-        return torch.empty(self.block_shape, dtype=self.dtype, pin_memory=self.pinned)
-
-    def save(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """The blocks' KV, each copied to a new host tensor (ordered after everything queued on the device so
-        far). Batched: per chunk of blocks one gather per cache tensor into a device staging buffer, then one
+    def save(self, block_ids: list[int], outs: list[torch.Tensor]) -> None:
+        """Copy the blocks' KV into host tensors `outs` (ordered after everything queued on the device so far).
+        Batched: per chunk of blocks one gather per cache tensor into a device staging buffer, then one
         contiguous copy per block -- a copy per (block, layer) was ~30 Python-level copies a block."""
-        outs: list[torch.Tensor] = []
         with self._on_side_stream():
             for start in range(0, len(block_ids), _CHUNK):
                 ids = block_ids[start:start + _CHUNK]
@@ -60,11 +55,8 @@ class BlockIO:
                 index = torch.tensor(ids, device=self.device)
                 for j, t in enumerate(self.tensors):
                     staging[:, j] = t.index_select(self.axis, index).movedim(self.axis, 0)
-                for i in range(len(ids)):
-                    out = self.empty()
+                for i, out in enumerate(outs[start:start + _CHUNK]):
                     out.copy_(staging[i], non_blocking=self.pinned)
-                    outs.append(out)
-        return outs
 
     def load(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
         """Write blocks' KV (host tensors from `save` or files) into device blocks `block_ids`, batched as

@@ -27,6 +27,7 @@ NOTEs:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -79,7 +80,10 @@ class TieredConnector:
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         io = self.io = BlockIO(kv_caches, self.ctx.block_axis)
-        self.host = HostTier(int(self.options.host_gb * _GIB) // io.block_bytes)
+        # Spare slots: blocks on their way to disk keep theirs until written (host_tier.py NOTE 1).
+        spare = self.options.disk_write_queue_blocks if self.options.disk_dir is not None else 0
+        self.host = HostTier(int(self.options.host_gb * _GIB) // io.block_bytes, io.block_shape, io.dtype,
+                             io.pinned, spare)
         if self.options.disk_dir is not None:
             layout = f"{self.ctx.model}|{io.dtype}|{io.block_shape}|{self.block_size}".encode()
             self.disk = DiskTier(self.options.disk_dir, hashlib.sha256(layout).digest()[:16],
@@ -237,8 +241,7 @@ class TieredConnector:
 
         def flush() -> None:
             if saves:
-                for (block_hash, _), data in zip(saves, io.save([b for _, b in saves]), strict=True):
-                    store[block_hash] = data
+                io.save([b for _, b in saves], [host.new_block(h) for h, _ in saves])
                 counters["host_saved_bytes"] += io.block_bytes * len(saves)
                 saves.clear()
             if loads:
@@ -262,12 +265,14 @@ class TieredConnector:
             if kind == "demote":
                 assert disk_io is not None
                 # Written behind (disk_io.py NOTE 2, 3): the I/O thread waits for the copy, not this step.
-                disk_io.write(op[1], store.pop(op[1]), io.copies_done_event())
+                data, slot = host.hand_over(op[1])
+                disk_io.write(op[1], data, io.copies_done_event(),
+                              None if slot is None else functools.partial(host.release, slot))
             elif kind == "read_disk":
                 assert disk_io is not None
                 disk_io.read(op[1], op[2])
             elif kind == "drop_host":
-                store.pop(op[1], None)
+                host.drop(op[1])
             elif kind == "drop_disk":
                 assert disk_io is not None
                 disk_io.delete(op[1])

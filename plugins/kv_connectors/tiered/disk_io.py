@@ -12,8 +12,10 @@ NOTEs:
    grow without limit. Dropped writes are counted and handed back (`take_lost`) for the index to forget.
 3. On CUDA a demoted tensor may still be filling from the device (its save ran on the copy stream): the job
    carries that copy's event and the I/O thread waits for it, not the step.
-4. A read of a block still waiting in the write-behind queue is answered from the queued tensor at once:
-   no file round trip, and no race with the write.
+4. A read of a block still waiting in the write-behind queue is answered from the queued tensor: no file
+   round trip, and no race with the write. The tensor may be a slot of the host tier that the tier reuses
+   once it is handed back (host_tier.py NOTE 1), so a read takes a copy, and the slot goes back (`on_done`)
+   only when the write and every such read are through with it.
 5. Reads report back through `results()`, polled by the scheduler side at each step (vLLM's
    `get_finished`); each carries the caller's tag (the request id) and the tensor, or why it is a miss.
 """
@@ -44,7 +46,7 @@ class DiskIO:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._done: queue.Queue[ReadResult] = queue.Queue()
         self._lock = threading.Lock()
-        self._pending: dict[bytes, torch.Tensor] = {}  # NOTE 4: written behind, not on disk yet
+        self._pending: dict[bytes, _Held] = {}  # NOTE 4: written behind, not on disk yet
         self._lost: list[bytes] = []  # NOTE 2: dropped or failed writes, for the index to forget
         self.written_bytes = 0
         self.writes_dropped = 0
@@ -56,23 +58,37 @@ class DiskIO:
 
     # -- the engine's side ----------------------------------------------------------------------------------
 
-    def write(self, block_hash: bytes, data: torch.Tensor, ready: Any = None) -> bool:
-        """Queue the block's file write (`ready`: a CUDA event the copy into `data` records); False: dropped."""
+    def write(self, block_hash: bytes, data: torch.Tensor, ready: Any = None,
+              on_done: Callable[[], None] | None = None) -> bool:
+        """Queue the block's file write (`ready`: a CUDA event the copy into `data` records); False: dropped.
+        `on_done` runs (on the I/O thread, or here when dropped) once nothing reads `data` any more."""
+        held = _Held(data, on_done, self._lock)
         with self._lock:
             if len(self._pending) >= self.max_pending_writes:
                 self.writes_dropped += 1
                 self._lost.append(block_hash)
-                return False
-            self._pending[block_hash] = data
-        self._jobs.put(lambda: self._write(block_hash, data, ready))
+                dropped = True
+            else:
+                self._pending[block_hash] = held
+                dropped = False
+        if dropped:
+            held.unref()
+            return False
+        self._jobs.put(lambda: self._write(block_hash, held, ready))
         return True
 
     def read(self, tag: str, block_hash: bytes) -> None:
         """Queue a verified read; its result comes back through `results()` with `tag`."""
         with self._lock:
             queued = self._pending.get(block_hash)
-        if queued is not None:  # NOTE 4
-            self._jobs.put(lambda: self._done.put((tag, block_hash, queued)))
+            if queued is not None:
+                queued.refs += 1
+        if queued is not None:  # NOTE 4: after the write's job, so the copy into it has landed
+            def answer(held: _Held = queued) -> None:
+                self._done.put((tag, block_hash, held.data.clone()))
+                held.unref()
+
+            self._jobs.put(answer)
         else:
             self._jobs.put(lambda: self._done.put((tag, block_hash, self.tier.load(block_hash))))
 
@@ -121,11 +137,11 @@ class DiskIO:
             finally:
                 self._jobs.task_done()
 
-    def _write(self, block_hash: bytes, data: torch.Tensor, ready: Any) -> None:
+    def _write(self, block_hash: bytes, held: _Held, ready: Any) -> None:
         if ready is not None:
             ready.synchronize()  # NOTE 3
         try:
-            n = self.tier.write(block_hash, data)
+            n = self.tier.write(block_hash, held.data)
         except OSError as exc:  # a full or read-only disk: the block is lost to the tiers, not the engine
             logger.warning("kv disk tier: writing %s failed (%s): the block is dropped", self.tier.path(block_hash),
                            exc)
@@ -135,8 +151,23 @@ class DiskIO:
                 self.written_bytes += n
             else:
                 self._lost.append(block_hash)
-            if self._pending.get(block_hash) is data:  # (a later write of the same hash keeps its entry)
+            if self._pending.get(block_hash) is held:  # (a later write of the same hash keeps its entry)
                 del self._pending[block_hash]
+        held.unref()
+
+
+class _Held:
+    """A tensor waiting to be written, with who still reads it (the write, queued reads: NOTE 4)."""
+
+    def __init__(self, data: torch.Tensor, on_done: Callable[[], None] | None, lock: threading.Lock) -> None:
+        self.data, self.on_done, self.refs, self._lock = data, on_done, 1, lock
+
+    def unref(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            done = self.refs == 0
+        if done and self.on_done is not None:
+            self.on_done()
 
 
 def _close_if_alive(ref: weakref.ref[DiskIO]) -> None:
