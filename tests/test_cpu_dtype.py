@@ -224,7 +224,7 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def test_bf16_top1_agrees_with_float32(smollm2_top1: dict[str, tuple[list[int], list[int]]]) -> None:
-    # Measured 2026-12-01 (302 positions): 99.7 %; 98.3 % before the LM head recomputed its top logits in
+    # Measured 2026-12-01 (302 positions): 99.7 % (301); 98.3 % before the LM head recomputed its top logits in
     # float32 (pagedllm.layers.embedding NOTE). The rule is >= 99 %.
     assert _agreement(smollm2_top1["bfloat16"][0], smollm2_top1["float32"][0]) >= AGREEMENT_MIN
 
@@ -233,6 +233,7 @@ def test_gguf_bf16_batch_gemm_top1_agrees_with_float32(
     smollm2_top1: dict[str, tuple[list[int], list[int]]]
 ) -> None:
     # Against the dequantized float32 model: the same weights (the blocks' exact values) in float32 throughout.
+    # Measured 2026-12-01: 99.3 % (300 of 302; the kept-quantized float32 kernels: 302 of 302).
     assert _agreement(smollm2_top1["gguf bf16 batches"][0], smollm2_top1["float32"][0]) >= AGREEMENT_MIN
 
 

@@ -276,9 +276,9 @@ class TorchSDPAImpl:
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
-        # NOTE: float32 even for a bf16 model on the CPU: SDPA's CPU flash kernel (the prefill's path) ran ~3x
-        # slower per call in bf16 (with enable_gqa) than in float32 (K/V repeated per head) on an AVX512-BF16
-        # EPYC without AMX: 4.2 against 1.5 ms, SmolLM2 prompts of 32-128 tokens. Not yet measured with AMX.
+        # NOTE: float32 even for a bf16 model on the CPU: SDPA's CPU flash kernel (the prefill's path) ran 2x
+        # slower in bf16 than in float32 with K/V repeated per head on an AVX512-BF16 EPYC without AMX (one
+        # thread, SmolLM2's 9 x 64 heads, 128 tokens: 2.2 against 1.1 ms; level at 32). Not yet measured on AMX.
         q = query.float().transpose(0, 1)  # [heads, n, head]
         k, v = _gather_context(kv_cache, seg.blocks, self.k_scale, self.v_scale)
         # Drop the unused tail of the last block. GQA: each KV head serves `group` consecutive query heads.
