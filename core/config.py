@@ -357,7 +357,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 ENV_PREFIX = "PAGEDLLM_"
 # PAGEDLLM_* variables that are settings of their own, not config keys.
-_ENV_RESERVED = {"PAGEDLLM_PLUGINS", "PAGEDLLM_LOG_LEVEL"}
+_ENV_RESERVED = {"PAGEDLLM_PLUGINS", "PAGEDLLM_LOG_LEVEL", "PAGEDLLM_CPU_FLAGS"}
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:

@@ -18,12 +18,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # plus the servers the tests spawn (they inherit this), must fit the 24 GiB CI machine.
 os.environ.setdefault("PAGEDLLM_KV_CACHE__MEMORY_GB", "0.25")
 # The suite's references (transformers, the dequantized GGUF model) are float32, and on a CPU with bf16 units
-# `dtype: auto` would run bf16 (core/platform/cpu_compute.py): pin float32 and the GGUF kernels at every size
-# unless a test asks otherwise; tests/test_cpu_dtype.py tests the auto choices and what bf16 costs. (Not on
-# a CUDA machine: there `auto` is the checkpoint's half type, which the GPU tests expect.)
-if not torch.cuda.is_available():
-    os.environ.setdefault("PAGEDLLM_DTYPE", "float32")
-    os.environ.setdefault("PAGEDLLM_CPU_KERNELS", "quantized")
+# `dtype: auto` would run bf16 (core/platform/cpu_compute.py): the probe reports an AVX2-only CPU, so the
+# defaults are float32 and the GGUF kernels at every size, however a test builds its config (servers and
+# other child processes inherit it); tests/test_cpu_dtype.py tests the bf16 choices and what bf16 costs.
+os.environ.setdefault("PAGEDLLM_CPU_FLAGS", "avx2")
 # Two shared cores: more threads than cores makes every test slower.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -50,7 +50,7 @@ knob = 3
 def _no_engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests state exactly which environment overrides apply: drop the suite-wide ones (conftest.py)."""
     for name in list(os.environ):
-        if name.startswith("PAGEDLLM_") and ("__" in name or name in ("PAGEDLLM_DTYPE", "PAGEDLLM_CPU_KERNELS")):
+        if name.startswith("PAGEDLLM_") and "__" in name:
             monkeypatch.delenv(name)
 
 

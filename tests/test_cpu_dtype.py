@@ -3,7 +3,7 @@
 The rule is tested on faked /proc/cpuinfo text (AMX, AVX512-BF16 only, AVX2 only), then through the engine
 build with the probe faked, then for what bf16 costs in accuracy: teacher-forced top-1 agreement of the
 embedded SmolLM2 in bf16 with the same weights in float32 (transformers' float32 equality is held by the
-rest of the suite, which pins `dtype: float32` in conftest.py, and by the test here on a tiny model).
+rest of the suite, whose conftest.py makes the probe report an AVX2-only CPU, and by the test here).
 """
 
 from __future__ import annotations
@@ -71,6 +71,22 @@ def test_the_probe_reads_flags_and_physical_cores() -> None:
     # One torch thread per physical core, unless the environment already says how many.
     assert default_num_threads(amx, {}) == 4
     assert default_num_threads(amx, {"OMP_NUM_THREADS": "3"}) is None
+
+
+def test_pagedllm_cpu_flags_replaces_the_probes_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.platform import cpu_features as probe
+
+    machine = probe.cpu_features()
+    monkeypatch.setenv("PAGEDLLM_CPU_FLAGS", "avx2 avx512f avx512_bf16")
+    probe.cpu_features.cache_clear()
+    try:
+        faked = probe.cpu_features()
+        assert faked.flags == {"avx2", "avx512f", "avx512_bf16"} and faked.avx512_bf16 and not faked.amx_bf16
+        assert faked.physical_cores == machine.physical_cores
+    finally:
+        monkeypatch.undo()
+        probe.cpu_features.cache_clear()
+    assert probe.cpu_features() == machine
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row b
 fixed cost (576 x 576: 50 us against float32's 30 us), so single-stream decode is no faster in bf16 at that
 size. A dense model therefore runs in bf16 where the units exist (the bigger the matrices, the more bf16's
 halved bytes win at one row too: 4096 x 4096 ran 13.5 ms against 18.2 ms); a GGUF model keeps its C kernels
-for decode (faster than either dense GEMV there) and takes bf16 only for the large products.
+for decode (faster than either dense GEMV there) and takes bf16 only for the large products: SmolLM2's
+32-prompt batch ran 1.5x faster and its time to first token 2x, decode unchanged (docs/cpu.md has the runs).
 NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
 takes at most half the memory available at start-up, so a model that fits only quantized still loads.
 """

@@ -98,14 +98,24 @@ def parse_cpuinfo(text: str) -> CPUFeatures:
     return CPUFeatures(flags, len(cores) or logical, logical, model)
 
 
+# The flags the probe reports instead of the CPU's own, space-separated (e.g. "avx2"): what the engine would
+# choose on another processor, for A/B runs and for test suites whose references are float32.
+FLAGS_ENV = "PAGEDLLM_CPU_FLAGS"
+
+
 @functools.cache
 def cpu_features() -> CPUFeatures:
-    """This machine's CPUFeatures (read once per process); no flags where /proc/cpuinfo cannot be read."""
+    """This machine's CPUFeatures (read once per process); no flags where /proc/cpuinfo cannot be read.
+    PAGEDLLM_CPU_FLAGS, when set, replaces the flags (the core counts stay the machine's)."""
     try:
         text = _CPUINFO.read_text()
     except OSError:
         text = ""
     features = parse_cpuinfo(text)
+    override = os.environ.get(FLAGS_ENV)
+    if override is not None:
+        features = CPUFeatures(frozenset(override.split()), features.physical_cores, features.logical_cpus,
+                               features.model_name)
     # Cores this process may run on (a container's or taskset's affinity mask) bound the physical count.
     try:
         usable = len(os.sched_getaffinity(0))

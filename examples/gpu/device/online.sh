@@ -26,7 +26,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
 # pagedllm's and its server's dependencies that the image lacks, from the vLLM site (the versions .whl/ours holds,
 # and the builds vLLM serves with), nothing else of it.
 mkdir -p /tmp/srv && for m in pydantic pydantic_core annotated_types typing_extensions.py typing_inspection gguf \
-  fastapi starlette msgspec zmq pyzmq.libs uvicorn; do ln -sfn /tmp/site/$m /tmp/srv/$m; done
+  fastapi starlette msgspec zmq pyzmq.libs uvicorn opentelemetry sniffio; do ln -sfn /tmp/site/$m /tmp/srv/$m; done
 export PYTHONPATH=/tmp/ours:/tmp/srv
 python3 -c "import pagedllm.plugins.server.app" || exit 3
 echo "pagedllm $(cat $SRC/HEAD 2>/dev/null || echo working-tree) in /tmp/ours"
