@@ -190,10 +190,23 @@ class StructuredOutputsConfig(_Section):
 class KVTransferConfig(_Section):
     """KV blocks beyond the device pool (vLLM's KVTransferConfig): the KV-connector plugin, if any."""
 
-    kv_connector: str | None = Field(
+    kv_connector: str | list[str] | None = Field(
         None, description="KV-connector plugin (e.g. tiered: host-memory and disk tiers under the prefix cache; "
-        "its options in `plugins.<name>`); None = no connector",
+        "its options in `plugins.<name>`), or a list of them stacked: a prefix hit comes from the one holding the "
+        "longest, the earlier on a tie (kv_cache/connector_stack.py); None = no connector",
     )
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _a_stack_of_distinct_connectors(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list names no connector: leave the key unset (null) for none")
+            twice = sorted({name for name in value if value.count(name) > 1})
+            if twice:
+                raise ValueError(f"lists {', '.join(twice)} more than once: each connector of a stack is one "
+                                 "plugin with one `plugins.<name>` section")
+        return value
 
 
 class ObservabilityConfig(_Section):
@@ -217,8 +230,9 @@ class EngineConfig(_Section):
         "auto",
         description="GGUF weights kept quantized on the CPU: 'quantized' = gguf_cpu.c at every size (prefill and "
         "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 16 rows run a bf16 GEMM on a "
-        "bf16 copy of the weights made at load (decode stays on the C kernels); auto: bf16 where the CPU has "
-        "AMX-BF16 or AVX512-BF16 and the copy takes at most half the available memory, else quantized",
+        "bf16 copy of the weights made at load (decode stays on the C kernels; refused when the copy would take more "
+        "than half the available memory), faster but near-tied greedy tokens may flip; auto: quantized for now "
+        "(platform/cpu_compute.py NOTE 3)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="engine seed (dummy weights, unseeded sampling)")

@@ -228,16 +228,15 @@ def build_engine_parts(
     if plugins.speculator is not None:
         clock("speculative proposer")  # a draft model is a whole second engine (runner_plugins.py NOTE)
     runner = _build_runner(config, model, source, comps, kv, plugins, tp_rank, tp_size, pp_rank)
-    connector_sel = build_kv_connector(
+    connector_sels = build_kv_connector(
         config, pm, plugin_sections, model=source.model_ref, kv_manager=kv.manager, scheduler=scheduler, runner=runner,
         kv_caches=kv.kv_caches, block_axis=block_axis_of(comps.backend), device=comps.device,
-    ) if config.kv_transfer.kv_connector is not None else None
+    ) if config.kv_transfer.kv_connector else {}
     _start_up(config, runner, comps.device, clock)
     selections = {
-        **source.selections, **comps.selections, **kv.selections, "scheduler": scheduler_sel, **plugins.selections
+        **source.selections, **comps.selections, **kv.selections, "scheduler": scheduler_sel, **plugins.selections,
+        **connector_sels,
     }
-    if connector_sel is not None:
-        selections["kv_connector"] = connector_sel
     parts = EngineParts(
         config, source.model_ref, source.info, model, runner, scheduler, kv.manager, kv.max_model_len,
         kv.num_blocks, comps.block_size, comps.device, comps.dtype, selections, clock.elapsed(), tp_size=tp_size,

@@ -1,4 +1,5 @@
-"""The engine's KV connector, when `kv_transfer.kv_connector` names one: selected, built and wired in.
+"""The engine's KV connector, when `kv_transfer.kv_connector` names one (or several, stacked:
+connector_stack.py): selected, built and wired in.
 
 Off by default, and then nothing here runs: the scheduler, the block pool and the runner each keep a None
 and check it once per step (per eviction, for the pool). A connector is only used when asked for by name,
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig, plugin_section
+from pagedllm.kv_cache.connector_stack import ConnectorStack
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.protocols.kv_connector import KVConnectorContext
@@ -34,14 +36,16 @@ def build_kv_connector(
     kv_caches: list[torch.Tensor],
     block_axis: int,
     device: torch.device,
-) -> Selection | None:
-    """Select and build the configured connector and wire it into `kv_manager`, `scheduler` and `runner`.
+) -> dict[str, Selection]:
+    """Select and build the configured connector(s) and wire them into `kv_manager`, `scheduler` and `runner`.
 
-    Returns its selection (for `Selection.explain()`), or None when the config names none.
+    Returns the selections (for `Selection.explain()`): `kv_connector`, or `kv_connector[i]` for each of a
+    list (connector_stack.py), or none when the config names none.
     """
-    name = config.kv_transfer.kv_connector
-    if name is None:
-        return None
+    configured = config.kv_transfer.kv_connector
+    if not configured:
+        return {}
+    names = [configured] if isinstance(configured, str) else list(configured)
     parallel = config.parallel
     context = KVConnectorCheckContext(
         device=device.type,
@@ -50,23 +54,29 @@ def build_kv_connector(
         world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
         enable_prefix_caching=kv_manager.enable_caching,
     )
-    selection = select(pm, PluginKind.KV_CONNECTOR, context, requested=name,
-                       requested_by="config kv_transfer.kv_connector")
-    connector = selection.load()(KVConnectorContext(
-        model=model,
-        block_size=kv_manager.block_size,
-        num_blocks=kv_manager.block_pool.num_blocks,
-        block_axis=block_axis,
-        device=device.type,
-        plugin_config=plugin_section(plugin_sections, name, pm.config_models()),
-    ))
+    selections: dict[str, Selection] = {}
+    connectors = []
+    for i, name in enumerate(names):
+        key = "kv_connector" if len(names) == 1 else f"kv_connector[{i}]"
+        selection = select(pm, PluginKind.KV_CONNECTOR, context, requested=name,
+                           requested_by=f"config kv_transfer.{key}")
+        selections[key] = selection
+        connectors.append(selection.load()(KVConnectorContext(
+            model=model,
+            block_size=kv_manager.block_size,
+            num_blocks=kv_manager.block_pool.num_blocks,
+            block_axis=block_axis,
+            device=device.type,
+            plugin_config=plugin_section(plugin_sections, name, pm.config_models()),
+        )))
+    connector = connectors[0] if len(connectors) == 1 else ConnectorStack(connectors)
     connector.register_kv_caches(kv_caches)
     on_evict = connector.on_device_evict
     # One KV-cache group (the check context says so to the connector): the group id is always 0.
     kv_manager.block_pool.evict_listener = lambda block_hash, block_id, _group: on_evict(block_hash, block_id)
     scheduler.kv_connector = connector
     runner.kv_connector = connector
-    return selection
+    return selections
 
 
 def block_axis_of(backend: Any) -> int:

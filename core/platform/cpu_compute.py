@@ -6,16 +6,22 @@ Two choices, each returned with the reason `pagedllm config show --resolve` and 
    AVX512-BF16), float32 otherwise. Weights, activations and the KV cache then share that dtype; oneDNN runs
    the bf16 GEMMs on those units.
 2. For a GGUF file kept quantized (`cpu_kernels`, EngineConfig): which GEMM its large products (prefill,
-   batches of >= 16 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load, where the CPU has bf16
-   units, or the matrix dequantized to float32 per call; decode (fewer rows) stays on gguf_cpu.c's kernels.
+   batches of >= 16 rows) run -- the matrix dequantized to float32 per call (the default, NOTE 3), or, asked
+   for, a bf16 GEMM on a bf16 copy of each matrix made at load; decode (fewer rows) stays on gguf_cpu.c's kernels.
 
 NOTE 1: measured on an AMD EPYC (Zen 4: AVX512-BF16, no AMX; 2 cores, loaded), 2026-12-01: torch's bf16 GEMM
 ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row bf16 products carry ~40 us of
 fixed cost (576 x 576: 50 us against float32's 30 us), so single-stream decode is no faster in bf16 at that
 size. A dense model therefore runs in bf16 where the units exist (the bigger the matrices, the more bf16's
 halved bytes win at one row too: 4096 x 4096 ran 13.5 ms against 18.2 ms); a GGUF model keeps its C kernels
-for decode (faster than either dense GEMV there) and takes bf16 only for the large products: SmolLM2's
-32-prompt batch ran 1.5x faster and its time to first token 2x, decode unchanged (docs/cpu.md has the runs).
+for decode (faster than either dense GEMV there) and can take bf16 for the large products: SmolLM2's
+32-prompt batch ran 1.5x faster and its time to first token 2x, decode unchanged (docs/cpu.md has the runs;
+not the default: NOTE 3).
+NOTE 3: `cpu_kernels: auto` keeps float32 for now: bf16 prefill moves the hidden states enough to flip a
+near-tied first token, and README's first command hits one (SmolLM2, "What is the capital of France?": "The"
+at logprob -1.88 against "L" at -1.97 in float32; bf16 answers "L'Étoile, ..."). Teacher-forced top-1 still
+agrees on 99.3 % of positions (tests/test_cpu_dtype.py); the switch waits for a bf16 copy that rounds less
+(or a float32 last prefill layer) and a decision on what agreement the default must keep.
 NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
 takes at most half the memory available at start-up, so a model that fits only quantized still loads.
 """
@@ -70,19 +76,24 @@ def choose_gguf_batch_gemm(
     """Which GEMM a kept-quantized GGUF model's large products (>= 16 rows: prefill, batches) run on the CPU:
     'bfloat16' (a bf16 copy of each matrix made at load) or 'float32' (each matrix dequantized per call).
 
-    :param requested: the config's `cpu_kernels` ('auto' lets this rule decide; 'quantized' = float32).
+    :param requested: the config's `cpu_kernels` ('auto' lets this rule decide (NOTE 3); 'quantized' = float32).
     :param bf16_copy_bytes: the bf16 copy's size (an estimate), None when unknown.
     :param available_bytes: the memory available now, None when unknown.
     """
-    if requested == "bf16":
-        return CpuChoice("bfloat16", "cpu_kernels: bf16 (config): large products on a bf16 copy of the weights")
     if requested == "quantized":
         return CpuChoice("float32", "cpu_kernels: quantized (config): every product on the GGUF blocks")
-    if not features.bf16_matrix_units:
+    if requested == "auto":
+        if not features.bf16_matrix_units:
+            return CpuChoice(
+                "float32",
+                f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product "
+                "on the GGUF blocks",
+            )
+        # NOTE 3: not the default yet, though faster: bf16 prefill flips near-tied greedy tokens.
         return CpuChoice(
             "float32",
-            f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product on "
-            "the GGUF blocks",
+            "cpu_kernels auto: every product on the GGUF blocks (float32); `cpu_kernels: bf16` runs products of "
+            ">= 16 rows as bf16 GEMMs on this CPU's bf16 units (faster prefill and batches, near-ties may flip)",
         )
     too_big = bf16_copy_bytes is not None and available_bytes is not None and (
         bf16_copy_bytes > DEQUANTIZED_MEMORY_SHARE * available_bytes
@@ -91,15 +102,14 @@ def choose_gguf_batch_gemm(
         assert bf16_copy_bytes is not None and available_bytes is not None
         return CpuChoice(
             "float32",
-            f"cpu_kernels auto: a bf16 copy of the weights ({bf16_copy_bytes / 2**30:.1f} GiB) would take more "
-            f"than {DEQUANTIZED_MEMORY_SHARE:.0%} of the {available_bytes / 2**30:.1f} GiB available: every "
-            "product on the GGUF blocks",
+            f"cpu_kernels: bf16 (config), but a bf16 copy of the weights ({bf16_copy_bytes / 2**30:.1f} GiB) would "
+            f"take more than {DEQUANTIZED_MEMORY_SHARE:.0%} of the {available_bytes / 2**30:.1f} GiB available: "
+            "every product on the GGUF blocks",
         )
-    units = "AMX-BF16" if features.amx_bf16 else "AVX512-BF16"
     return CpuChoice(
         "bfloat16",
-        f"cpu_kernels auto: {units} on this CPU: products of >= 16 rows run bf16 GEMMs on a bf16 copy of the "
-        "weights made at load; decode stays on the GGUF C kernels",
+        "cpu_kernels: bf16 (config): products of >= 16 rows run bf16 GEMMs on a bf16 copy of the weights made at "
+        "load; decode stays on the GGUF C kernels",
     )
 
 

@@ -163,7 +163,7 @@ def build_app(engine: AsyncLLM, api_key: str | None = None, max_body_bytes: int 
         if app.openapi_schema is None:
             schema = default_openapi()
             app.openapi_schema = publish_limits(schema, engine.ready.vocab_size, engine.model_name,
-                                                kv_connector=engine.config.kv_transfer.kv_connector is not None)
+                                                kv_connector=bool(engine.config.kv_transfer.kv_connector))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

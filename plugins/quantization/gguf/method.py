@@ -24,7 +24,7 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                                     to float32 per call, then a float32 GEMM
                 "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4)
                                     (not a `plugins.gguf` key: the engine passes it from its `cpu_kernels`,
-                                    chosen by the CPU's bf16 units and the memory the copy would take)
+                                    platform/cpu_compute.py in the core)
 
 On CUDA, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K .. Q6_K run through gguf/triton_gemm.py (TritonKernel); any other
 type, or no Triton, falls back to a per-call dequantization, and the reason is logged once per type and kept
