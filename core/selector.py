@@ -92,7 +92,7 @@ def select(
 def unknown_component_message(pm: PluginManager, kind: PluginKind, requested: str, names: Iterable[str]) -> str:
     """Why `requested` names no `kind`: the names there are, broken plugins that may have provided it, a close match.
 
-    Shared with config validation (`pagedllm.config.check_component_names`), so a misspelled name reads the
+    Shared with config validation (`pagedllm.component_names.check_component_names`), so a misspelled name reads the
     same whether `pagedllm config validate` or the engine build finds it.
     """
     available = sorted(names)

@@ -17,14 +17,13 @@ import yaml
 
 from pagedllm import hookimpl
 from pagedllm.cli.main import main
-from pagedllm.config import (
+from pagedllm.component_names import (
     COMPONENT_KEYS,
     ComponentNameError,
-    ConfigError,
-    EngineConfig,
     check_component_names,
     component_name_problems,
 )
+from pagedllm.config import ConfigError, EngineConfig
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.selector import SelectionError, select
@@ -93,7 +92,7 @@ def test_choose_for_me_values_and_registered_names_pass() -> None:
 
 def test_every_component_key_is_a_config_field() -> None:
     # A renamed field would otherwise turn its check into an AttributeError at validation time.
-    from pagedllm.config import _named_values
+    from pagedllm.component_names import _named_values
 
     cfg = _config({})
     for key in COMPONENT_KEYS:
@@ -231,7 +230,7 @@ def test_validation_and_the_engine_commands_preflight_do_not_import_torch(tmp_pa
         "from pagedllm.cli.main import main\n"
         f"assert main(['config', 'validate', {str(path)!r}]) == 2\n"
         f"assert main(['generate', '--config', {str(path)!r}]) == 2\n"
-        "from pagedllm.config import EngineConfig, component_name_problems\n"
+        "from pagedllm.component_names import component_name_problems\nfrom pagedllm.config import EngineConfig\n"
         f"assert len(component_name_problems(EngineConfig.from_dict({ALL_BAD!r}))) == 3\n"
         "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'triton', 'numpy') if m in sys.modules))\n"
     )

@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from pagedllm.cli.engine_args import add_engine_args, engine_config_from_args
-from pagedllm.config import COMPONENT_KEYS, ConfigError, EngineConfig, read_config_file
+from pagedllm.component_names import COMPONENT_KEYS
+from pagedllm.config import ConfigError, EngineConfig, read_config_file
 
 DOCS_PATH = "docs/configuration.md"
 
@@ -97,7 +98,8 @@ def run_validate(args: argparse.Namespace) -> int:
     are valid; otherwise raise ConfigError, which main() reports with exit status 2."""
     import warnings
 
-    from pagedllm.config import check_component_names, validate_plugin_sections
+    from pagedllm.component_names import check_component_names
+    from pagedllm.config import validate_plugin_sections
     from pagedllm.plugin_manager import get_plugin_manager
 
     cfg = EngineConfig.from_dict(read_config_file(args.file), source=args.file)

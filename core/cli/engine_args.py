@@ -7,13 +7,8 @@ from typing import Any
 
 import yaml
 
-from pagedllm.config import (
-    ConfigError,
-    EngineConfig,
-    check_component_names,
-    refuse_remote_code,
-    speculative_from_vllm,
-)
+from pagedllm.component_names import check_component_names
+from pagedllm.config import ConfigError, EngineConfig, refuse_remote_code, speculative_from_vllm
 
 # flag -> dotted config key
 _FLAGS: dict[str, tuple[str, type, str]] = {
