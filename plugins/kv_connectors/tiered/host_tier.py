@@ -24,8 +24,8 @@ _SLAB_BYTES = 1 << 30
 
 
 class HostTier:
-    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-                 pinned: bool = False, spare_blocks: int = 0) -> None:
+    def __init__(self, capacity_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pinned: bool,
+                 spare_blocks: int = 0) -> None:
         """:param spare_blocks: slots beyond the capacity: blocks still being written to disk hold theirs."""
         if capacity_blocks < 1:
             raise ValueError(f"plugins.tiered.host_gb holds {capacity_blocks} blocks: raise it to hold one or more")
@@ -104,9 +104,8 @@ class HostTier:
         if made >= self._max_slots:
             return None
         blocks = min(self._slab_blocks, self._max_slots - made)
+        # (Only the last slab can be short, so slot // slab_blocks still finds every slot's slab.)
         slab = torch.empty((blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.pinned)
-        if blocks < self._slab_blocks:  # the last slab is short: pad the slot arithmetic's view of it
-            self._max_slots = made + blocks
         self._slabs.append(slab)
         self._free.extend(range(made + blocks - 1, made, -1))
         return made
