@@ -63,7 +63,7 @@ import torch
 
 from pagedllm.engine.messages import ModelRunnerOutput, SchedulerOutput
 from pagedllm.kv_cache.spec import MambaSpec
-from pagedllm.layers.compile_ahead import compile_first
+from pagedllm.layers.compile_ahead import compile_first, repeated_layers_skipped
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.speculator import Speculator
@@ -209,7 +209,7 @@ class ModelRunner(PipelinedSteps):
         steps: list[int] = []
 
         def walk() -> None:
-            with torch.inference_mode():
+            with torch.inference_mode(), repeated_layers_skipped(self.model):
                 if plan is not None:
                     assert self._buffers is not None  # as in capture_cuda_graphs
                     graphs = DecodeGraphs(self.model, self.attn_backend, self.kv_caches, self._buffers)
