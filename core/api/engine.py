@@ -1,4 +1,4 @@
-"""pagedllm.api.engine: What an entrypoint (server) or command plugin builds on: the engine config, the async and offline frontends, sampling parameters, outputs, errors.
+"""pagedllm.api.engine: What an entrypoint (server) or command plugin builds on: the engine config, the async and offline frontends, sampling parameters, outputs, errors, the CPU's features.
 
 Part of the plugin API (docs/plugins/api.md): covered by PLUGIN_API_VERSION.
 """
@@ -23,6 +23,7 @@ from pagedllm.engine.llm import LLM
 from pagedllm.engine.output_processor import IterationStats
 from pagedllm.kv_cache.pool_snapshot import KVPoolSnapshot
 from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.platform.cpu_features import CPUFeatures, cpu_features
 from pagedllm.plugin_manager import get_plugin_manager
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -33,6 +34,7 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "CPUFeatures",
     "EngineConfig",
     "EngineCore",
     "EngineDeadError",
@@ -51,6 +53,7 @@ __all__ = [
     "StructuredOutputsParams",
     "beam_search_async",
     "build_engine",
+    "cpu_features",
     "get_plugin_manager",
     "resolve_device",
 ]

@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|latency|serve`: offline benchmarks against transformers and llama.cpp baselines,
+"""`pagedllm bench throughput|latency|serve`: offline benchmarks against transformers, llama.cpp and vLLM baselines,
 and a load generator for OpenAI-compatible servers.
 
 The work lives in this package's other modules; this one only declares flags (it is what the command
@@ -25,6 +25,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-llamacpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF and prompts")
     g.add_argument("--hf-dtype", default="float32", help="torch dtype for the transformers baseline")
+    g.add_argument("--compare-vllm", action="store_true",
+                   help="also run vLLM (its CPU build, in its own virtual environment) on the same weights and prompts")
+    g.add_argument("--vllm-python", metavar="PATH",
+                   help="the Python of vLLM's virtual environment (default: $PAGEDLLM_VLLM_PYTHON)")
+    g.add_argument("--vllm-dtype", default="bfloat16", help="dtype vLLM computes in (a GGUF is dequantized to it)")
+    g.add_argument("--vllm-timeout", type=float, default=1800.0, metavar="S",
+                   help="give up on the vLLM baseline after this many seconds (its start-up compiles the model)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the untimed warm-up pass (on by default)")
     g.add_argument("--warmup", dest="warmup", action="store_true", help="run an untimed warm-up pass (default)")
@@ -33,7 +40,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: Any) -> None:
     """Register `bench` with its `throughput` and `latency` subcommands on the top-level subparsers."""
-    bench = sub.add_parser("bench", help="measure throughput or latency (optionally against HF / llama.cpp)")
+    bench = sub.add_parser("bench", help="measure throughput or latency (optionally against HF / llama.cpp / vLLM)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = bsub.add_parser("throughput", help="offline throughput over many requests")

@@ -54,7 +54,7 @@ def variant_args(args: argparse.Namespace, quantization: str) -> argparse.Namesp
     """The same command line with another quantization method (and no baselines of its own)."""
     out = copy.copy(args)
     out.quantization = quantization
-    out.compare_hf = out.compare_llamacpp = False
+    out.compare_hf = out.compare_llamacpp = out.compare_vllm = False
     out.compare_quantization = []
     return out
 

@@ -33,6 +33,7 @@ _COLUMNS = [
     ("decode_tok_per_s", "decode tok/s"),
     ("output_tok_per_s", "out tok/s"),
     ("rss_mb", "RSS MB"),
+    ("startup_s", "start-up s"),
 ]
 LLAMACPP = "llama.cpp"
 
@@ -94,6 +95,8 @@ def run_latency_cli(args: argparse.Namespace) -> int:
     print(f"pagedllm: {args.num_iters} x batch {args.batch_size} ({args.input_len} in, {args.output_len} out), "
           f"{threads} threads, {rounds} round(s) ...", flush=True)
     results = _run_rounds(args, target, iterations, warm, threads, rounds, variants)
+    results[OURS]["startup_s"] = target.build_seconds
+    results[OURS]["weights"] = target.weights()
     out: dict[str, Any] = report.header("latency", target.engine_summary(), threads, load_before)
     out["workload"] = {"input_len": args.input_len, "output_len": args.output_len, "batch_size": args.batch_size,
                        "num_iters": args.num_iters, "seed": seed, "warmup": args.warmup}
@@ -107,6 +110,7 @@ def run_latency_cli(args: argparse.Namespace) -> int:
 
     report.print_table(f"latency, batch {args.batch_size} ({threads} threads, {report.cpu_model()})",
                        results, _COLUMNS)
+    report.print_weights(results)
     report.print_ratios(out["ratios"])
     kv = results[OURS].get("kv", {})
     if "spec_acceptance_rate" in kv:
@@ -179,6 +183,12 @@ def _run_rounds(
     if llamacpp_reason is not None:
         print(f"llama.cpp skipped: {llamacpp_reason}")
         results[LLAMACPP] = {"skipped": llamacpp_reason}
+    if args.compare_vllm:
+        # Once, after every round: vLLM's start-up (a model compile) is minutes, too long to repeat per round.
+        from pagedllm.plugins.commands.bench.vllm_baseline import NAME, vllm_latency
+
+        results[NAME] = vllm_latency(target, iterations, args.output_len, warm if args.warmup else None, threads,
+                                     python=args.vllm_python, dtype=args.vllm_dtype, timeout_s=args.vllm_timeout)
     return results
 
 

@@ -48,7 +48,26 @@ def machine_info(threads: int) -> dict[str, Any]:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": threads,
+        "cpu_features": cpu_feature_info(),
         "versions": versions,
+    }
+
+
+def cpu_feature_info() -> dict[str, Any]:
+    """The processor's instruction-set flags as the engine read them (its CPU defaults follow from these:
+    a bf16 matmul is 4-5x faster with AMX or AVX512-BF16), so a report says which kernels could run."""
+    from pagedllm.api.engine import cpu_features
+
+    f = cpu_features()
+    return {
+        "summary": f.summary(),
+        "amx_bf16": f.amx_bf16,
+        "avx512_bf16": f.avx512_bf16,
+        "avx512f": f.avx512f,
+        "avx2": f.avx2,
+        "physical_cores": f.physical_cores,
+        "logical_cpus": f.logical_cpus,
+        "flags": sorted(f.flags),
     }
 
 
@@ -152,6 +171,13 @@ def print_table(title: str, results: dict[str, Result], columns: Sequence[tuple[
             v = res.get(key)
             cells.append((f"{v:,.2f}" if isinstance(v, float) else str(v if v is not None else "-")).rjust(w))
         print(name.ljust(name_w) + "  ".join(cells))
+
+
+def print_weights(results: dict[str, Result]) -> None:
+    """Which weights each engine ran, where it says (a GGUF dequantized for vLLM is not the file ours read)."""
+    for name, res in results.items():
+        if "weights" in res:
+            print(f"{name} weights: {res['weights']}")
 
 
 def print_ratios(rows: dict[str, dict[str, float]]) -> None:

@@ -55,6 +55,11 @@ class BenchTarget:
         """The GGUF file llama.cpp can read, or None when the model is not one."""
         return self.model_ref if self.loader == "gguf" else None
 
+    def weights(self) -> str:
+        """Which weights our engine ran, in words for the report (a baseline's row says its own)."""
+        quant = self.llm.engine_info().components.get("quantization", "none")
+        return f"{self.model_ref} ({self.loader} loader, quantization {quant})"
+
     def engine_summary(self) -> dict[str, Any]:
         """Engine settings that change the numbers: batch limits, KV layout, chosen plugins."""
         info = self.llm.engine_info()

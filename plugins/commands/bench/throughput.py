@@ -1,8 +1,9 @@
 """`pagedllm bench throughput`: many requests at once; requests/s and tok/s, ours beside the baselines.
 
 Our engine gets every request up front (offline, like vLLM's benchmark_throughput) and schedules them
-with continuous batching; transformers gets static batches; llama.cpp one request at a time. All three
-decode the same token ids greedily to exactly the same output lengths.
+with continuous batching; transformers gets static batches; llama.cpp one request at a time; vLLM, in its
+own interpreter, every request up front too. All of them decode the same token ids greedily to exactly the
+same output lengths.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _COLUMNS = [
     ("requests_per_s", "req/s"),
     ("output_tok_per_s", "out tok/s"),
     ("total_tok_per_s", "total tok/s"),
+    ("startup_s", "start-up s"),
 ]
 _RATIO_KEYS = ["requests_per_s", "output_tok_per_s", "total_tok_per_s"]
 
@@ -123,10 +125,17 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     print(f"pagedllm: {len(workload)} requests, {workload.prompt_tokens} prompt + "
           f"{workload.output_tokens} output tokens, {threads} threads ...", flush=True)
     results: dict[str, Result] = {OURS: run_ours(target, workload, warm)}
+    results[OURS]["startup_s"] = target.build_seconds
+    results[OURS]["weights"] = target.weights()
     if args.compare_hf:
         results["transformers"] = run_hf(args, target, workload)
     if args.compare_llamacpp:
         results["llama.cpp"] = run_llamacpp(args, target, workload, threads)
+    if args.compare_vllm:
+        from pagedllm.plugins.commands.bench.vllm_baseline import NAME, vllm_throughput
+
+        results[NAME] = vllm_throughput(target, workload, warm, threads, python=args.vllm_python,
+                                        dtype=args.vllm_dtype, timeout_s=args.vllm_timeout)
 
     out: dict[str, Any] = report.header("throughput", target.engine_summary(), threads, load_before)
     out["workload"] = {**workload.describe(), "seed": seed, "warmup": args.warmup}
@@ -139,6 +148,7 @@ def run_throughput_cli(args: argparse.Namespace) -> int:
     kv = results[OURS]["kv"]
     print(f"pagedllm KV: {kv['num_preemptions']} preemptions, prefix-cache hit rate "
           f"{kv['prefix_cache_hit_rate']:.1%}, {kv['num_steps']} steps")
+    report.print_weights(results)
     report.print_ratios(out["ratios"])
     print(f"load average before {load_before}, after {out['load_average_after']}")
     if args.json_out:
