@@ -60,11 +60,23 @@ class DeferredBitmask:
     the step's GrammarBitmask. It lives in the engine core's process: a tensor-parallel rank that receives
     the step pickled gets None here, as it samples nothing (rank 0 samples and broadcasts the ids)."""
 
-    def __init__(self, fill: Callable[[Any], GrammarBitmask]) -> None:
+    def __init__(self, fill: Callable[[Any], GrammarBitmask],
+                 ahead: Callable[[list[str], list[int], Callable[[], list[int]]], Callable[[], None] | None]
+                 | None = None) -> None:
         self._fill = fill
+        self._ahead = ahead
 
     def resolve(self, previous: Any) -> GrammarBitmask:
         return self._fill(previous)
+
+    def accept_ahead(self, req_ids: list[str], sample_rows: list[int],
+                     fetch: Callable[[], list[int]]) -> Callable[[], None] | None:
+        """Once this step is sampled: feed its ids (`fetch()`, callable from any thread, gives them in
+        `sample_rows` order) to the grammars on the manager's worker thread, and fill the next step's rows
+        there too (manager.py NOTE 4). Returns the join, which the runner calls before it hands this step's
+        output back; None when the work stays with `resolve` (no grammar sampled, or a backend without
+        GIL-free batch calls)."""
+        return self._ahead(req_ids, sample_rows, fetch) if self._ahead is not None else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_none, ())

@@ -24,13 +24,26 @@ grammars and fills N+1's rows -- host work that then overlaps N+1's forward on t
 sampling does. The tokens are remembered as accepted (`_pre_accepted`), so the core's `advance()` for step N
 only finishes what they terminated. A grammar that N's token terminated gets an allow-all row: its request
 finishes with N, and the extra token N+1 samples is dropped like any token after a stop.
+
+NOTE(4) the grammar work beside the engine's (ahead.py). Resolving on the runner's thread puts accept + fill
+(~5 ms a step at 256 requests on the H200 host) in series with the engine's own host work (~6 ms: applying
+outputs, scheduling, laying out inputs): 11 ms of host per ~10 ms forward, and the GPU waits. So once the
+runner has *sampled* step N it hands the step's ids to `_accept_ahead`: the worker thread waits for them,
+accepts them and fills the rows of each grammar's next sample, while the engine thread applies N-1, schedules
+N+1 and launches its forward; the runner joins it before returning N's output, and N+1's `_resolve` only
+fills the rows the worker could not know (a request whose prompt ended, one back from a pause). Until the join
+the worker alone touches the step's grammars: the engine thread reads only the acceptance and termination the
+worker recorded (`_pre_accepted`, merged at the join), never the matchers. Only grammar classes that declare
+`gil_free_batches` (their batch accept and fill release the GIL) go ahead: a per-token Python loop on a
+thread would queue for the GIL behind the engine thread's Python every token. The others in a step (another
+backend's) stay with `_resolve`, on the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +54,7 @@ from pagedllm.plugin_manager import PluginManager
 from pagedllm.protocols.structured_output import StructuredOutputContext, StructuredOutputGrammar
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.ahead import AheadResult, AheadWorker
 from pagedllm.structured_output.bitmask import DeferredBitmask, GrammarBitmask, bitmask_width
 from pagedllm.structured_output.constraints import constraint_key
 from pagedllm.structured_output.selection import select_backend
@@ -70,7 +84,11 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compile_threads = compile_threads
         self.grammars: dict[str, StructuredOutputGrammar] = {}  # request id -> its matcher (NOTE 1)
-        self._pre_accepted: dict[str, bool] = {}  # request id -> its last tokens' acceptance (NOTE 3)
+        # request id -> (its last tokens accepted, its grammar terminated after them): NOTE 3, NOTE 4
+        self._pre_accepted: dict[str, tuple[bool, bool]] = {}
+        self._worker = AheadWorker()  # NOTE 4
+        self._gil_free: dict[type, bool] = {}  # grammar class -> whether it declares gil_free_batches (NOTE 4)
+        self._ahead: AheadResult | None = None  # the last joined worker task, for the next step's _resolve
         # One CPU buffer for every step's masks: a fresh 4 MB tensor per step (256 rows of a 128k vocabulary)
         # costs its page faults each time. Pinned where CUDA is, so that the runner's copy to the device is
         # asynchronous: from pageable memory the copy waits for the stream, i.e. for the step's forward, and
@@ -172,10 +190,17 @@ class StructuredOutputManager:
             row += len(drafts) + 1
         return GrammarBitmask(rows, bitmask)
 
-    def _rows(self, num_rows: int) -> torch.Tensor:
+    def _rows(self, num_rows: int, keep: int = 0) -> torch.Tensor:
+        """The first `num_rows` rows of the mask buffer, grown if need be (its first `keep` rows kept)."""
         if self._buffer.shape[0] < num_rows:
-            self._buffer = torch.empty((max(num_rows, 2 * self._buffer.shape[0]), self._buffer.shape[1]),
-                                       dtype=torch.int32, pin_memory=self._pin)
+            # A normal tensor even when made under the runner's inference mode: the grammar worker's thread
+            # (NOTE 4) is outside it, and may not write an inference tensor in place.
+            with torch.inference_mode(False):
+                grown = torch.empty((max(num_rows, 2 * self._buffer.shape[0]), self._buffer.shape[1]),
+                                    dtype=torch.int32, pin_memory=self._pin)
+                if keep:
+                    grown[:keep] = self._buffer[:keep]
+            self._buffer = grown
         return self._buffer[:num_rows]
 
     def deferred(self, so: SchedulerOutput, requests: Mapping[str, Request]) -> DeferredBitmask | None:
@@ -192,26 +217,93 @@ class StructuredOutputManager:
             if req is None or req.num_computed_tokens < len(req.prompt_token_ids):
                 continue
             plan.append((rid, grammar))
-        return DeferredBitmask(lambda previous: self._resolve(plan, previous)) if plan else None
+        if not plan:
+            return None
+        return DeferredBitmask(lambda previous: self._resolve(plan, previous),
+                               lambda req_ids, sample_rows, fetch: self._accept_ahead(plan, req_ids, sample_rows,
+                                                                                      fetch))
 
     def _resolve(self, plan: list[tuple[str, StructuredOutputGrammar]],
                  previous: ModelRunnerOutput | None) -> GrammarBitmask:
         grammars = self.grammars
+        ahead, self._ahead = self._ahead, None
+        prefilled: dict[str, int] = {}
+        done: Mapping[str, Any] = {}
+        if ahead is not None and previous is not None and previous.req_ids is ahead.req_ids:
+            prefilled, done = ahead.rows, ahead.status  # the worker accepted these and filled their rows (NOTE 4)
         if previous is not None:
             todo = [(rid, grammar, tokens) for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids)
-                    if tokens and (grammar := grammars.get(rid)) is not None]
-            self._pre_accepted.update(zip((rid for rid, _, _ in todo), accept_rows(todo)))
-        bitmask = self._rows(len(plan))
+                    if tokens and rid not in done and (grammar := grammars.get(rid)) is not None]
+            self._pre_accepted.update((rid, (ok, grammar.is_terminated()))
+                                      for (rid, grammar, _), ok in zip(todo, accept_rows(todo)))
         rows: dict[str, int] = {}
+        missing: list[tuple[str, StructuredOutputGrammar]] = []
+        for rid, grammar in plan:
+            row = prefilled.get(rid)
+            if row is None:
+                missing.append((rid, grammar))
+            else:
+                rows[rid] = row
+        base = len(prefilled)
+        bitmask = self._rows(base + len(missing), keep=base)
         live: list[tuple[StructuredOutputGrammar, int]] = []
-        for row, (rid, grammar) in enumerate(plan):
+        for row, (rid, grammar) in enumerate(missing, base):
             rows[rid] = row
-            if grammar.is_terminated() or self._pre_accepted.get(rid) is False:
+            status = self._pre_accepted.get(rid)
+            if grammar.is_terminated() or (status is not None and not status[0]):
                 bitmask[row].fill_(-1)  # its request ends with the step before (NOTE 3)
             else:
                 live.append((grammar, row))
         fill_rows(live, bitmask)
         return GrammarBitmask(rows, bitmask)
+
+    def _accept_ahead(self, plan: list[tuple[str, StructuredOutputGrammar]], req_ids: list[str],
+                      sample_rows: list[int], fetch: Callable[[], list[int]]) -> Callable[[], None] | None:
+        """Start accepting a just-sampled step's ids on the worker (NOTE 4); returns the runner's join."""
+        by_rid = dict(plan)
+        gil_free = self._gil_free
+        picks = []
+        for j, i in enumerate(sample_rows):
+            grammar = by_rid.get(rid := req_ids[i])
+            if grammar is None:
+                continue
+            cls = type(grammar)
+            ok = gil_free.get(cls)
+            if ok is None:
+                ok = gil_free[cls] = bool(getattr(cls, "gil_free_batches", False))
+            if ok:
+                picks.append((j, rid, grammar))  # the others are accepted by the next _resolve
+        if not picks:
+            return None
+        join = self._worker.start(lambda: self._accept_and_fill(req_ids, picks, fetch))
+
+        def merge() -> None:
+            result = join()
+            grammars = self.grammars  # a request removed meanwhile keeps no entry
+            self._pre_accepted.update((rid, s) for rid, s in result.status.items() if rid in grammars)
+            self._ahead = result
+
+        return merge
+
+    def _accept_and_fill(self, req_ids: list[str], picks: list[tuple[int, str, StructuredOutputGrammar]],
+                         fetch: Callable[[], list[int]]) -> AheadResult:
+        """The worker's task (NOTE 4): accept each grammar's sampled id, then fill its next row."""
+        tokens = fetch()
+        todo = [(rid, grammar, [tokens[j]]) for j, rid, grammar in picks]
+        bitmask = self._rows(len(todo))
+        status: dict[str, tuple[bool, bool]] = {}
+        rows: dict[str, int] = {}
+        live: list[tuple[StructuredOutputGrammar, int]] = []
+        for row, ((rid, grammar, _), ok) in enumerate(zip(todo, accept_rows(todo))):
+            ended = grammar.is_terminated()
+            status[rid] = (ok, ended)
+            rows[rid] = row
+            if ok and not ended:
+                live.append((grammar, row))
+            else:
+                bitmask[row].fill_(-1)  # its request ends with this step (NOTE 3)
+        fill_rows(live, bitmask)
+        return AheadResult(req_ids, status, rows)
 
     def advance(self, outputs: list[EngineCoreOutput], requests: Mapping[str, Request]) -> dict[str, RequestStatus]:
         """Feed each grammar request its accepted tokens. Returns the requests the engine must finish, with
@@ -223,8 +315,11 @@ class StructuredOutputManager:
             grammar = grammars.get(out.request_id)
             if grammar is None:
                 continue
-            accepted = self._pre_accepted.pop(out.request_id, None)  # NOTE 3
-            if accepted is None and out.new_token_ids:
+            # NOTE 3, NOTE 4: accepted already; the recorded termination, as the worker may be moving the
+            # grammar on by the next step's token right now.
+            status = self._pre_accepted.pop(out.request_id, None)
+            accepted, terminated = (None, None) if status is None else status
+            if status is None and out.new_token_ids:
                 accepted = grammar.accept_tokens(out.request_id, out.new_token_ids)
             if accepted is False:
                 # The mask allowed only what the grammar accepts: this is a backend bug, reported as such.
@@ -236,7 +331,7 @@ class StructuredOutputManager:
             if out.finished:
                 grammars.pop(out.request_id, None)
                 continue
-            if grammar.is_terminated():
+            if grammar.is_terminated() if terminated is None else terminated:
                 out.finish_reason = "stop"
                 to_finish[out.request_id] = RequestStatus.FINISHED_STOPPED
                 grammars.pop(out.request_id, None)
@@ -252,6 +347,7 @@ class StructuredOutputManager:
             self._pre_accepted.pop(rid, None)
 
     def shutdown(self) -> None:
+        self._worker.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -40,6 +40,8 @@ class PendingStep:
     logprobs: Any  # LogprobsTensors | None
     # req_id -> (start position, LogprobsTensors) of the prompt logprobs computed by this step.
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+    # The join of the grammar work started on this step's ids (structured_output/manager.py NOTE 4), if any.
+    grammar_join: Callable[[], None] | None = None
 
 
 class PipelinedSteps:
@@ -104,9 +106,10 @@ class PipelinedSteps:
         logits = self.model.compute_logits(hidden[logits_indices])
         rows = [states[i] for i in sample_rows]
         # A deferred mask is filled now, from the previous step's ids, while the GPU runs this step's forward
-        # (structured_output/manager.py NOTE 3); only rank 0 has one, as only rank 0 samples.
-        mask = (so.deferred_structured_output.resolve(previous) if so.deferred_structured_output is not None
-                else so.structured_output)
+        # (structured_output/manager.py NOTE 3; mostly filled already, by the grammar worker: NOTE 4); only
+        # rank 0 has one, as only rank 0 samples.
+        deferred = so.deferred_structured_output
+        mask = deferred.resolve(previous) if deferred is not None else so.structured_output
         if mask is not None:
             mask.apply(logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
         sampled_ids, logprobs = self._sample_pipelined(logits, rows)
@@ -121,8 +124,12 @@ class PipelinedSteps:
             ready = torch.cuda.Event()
             ready.record()
         positions = [r.append_output(PLACEHOLDER) for r in rows]
+        # This step's ids go to the grammars on the manager's worker as soon as they exist, beside the engine's
+        # host work until the next step (manager.py NOTE 4); _resolve_pending joins it.
+        join = (deferred.accept_ahead(req_ids, sample_rows, _ids_fetch(sampled_ids, host, ready, self.device))
+                if deferred is not None else None)
         self._pending = PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs,
-                                     prompt_lps)
+                                     prompt_lps, join)
         return previous
 
     def _sample_pipelined(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> tuple[torch.Tensor, Any]:
@@ -203,5 +210,22 @@ class PipelinedSteps:
                 entries = pending.logprobs.to_entries([st.sampling_params.logprobs for st in pending.states])
                 for j, i in enumerate(pending.sample_rows):
                     logprobs[i] = None if entries[j] is None else [entries[j]]
+        if pending.grammar_join is not None:  # before the engine applies this step (manager.py NOTE 4)
+            pending.grammar_join()
         return ModelRunnerOutput(pending.req_ids, sampled, logprobs, [],
                                  prompt_logprobs.to_entries(pending.prompt_logprobs) if pending.prompt_logprobs else {})
+
+
+def _ids_fetch(sampled: torch.Tensor, host: torch.Tensor | None, ready: Any,
+               device: torch.device) -> Callable[[], list[int]]:
+    """A step's sampled ids as a host list, for another thread (the grammar worker): on CUDA it waits for the
+    step's event (the GIL released meanwhile) and reads the pinned copy; on the CPU the ids are there."""
+    if ready is None or host is None:
+        return sampled.tolist
+
+    def fetch() -> list[int]:
+        with torch.cuda.device(device):
+            ready.synchronize()
+        return host.tolist()
+
+    return fetch

@@ -120,6 +120,33 @@ def _structural_tag_args(text: str) -> tuple[Any, ...]:
 _BATCH: xgr.BatchGrammarMatcher | None = None  # made on the first batch fill
 _POOL: ThreadPoolExecutor | None = None  # accept_many's, made on the first large batch
 _ACCEPT_THREADS = min(4, (os.cpu_count() or 1) // 2)
+# One C++ call for a batch of single tokens, where this xgrammar has it (0.2.9 does).
+_BATCH_ACCEPT = getattr(xgr.BatchGrammarMatcher, "batch_accept_token", None)
+
+
+def _accept_each(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> list[bool]:
+    return [g.accept_tokens("", t) for g, t in zip(grammars, tokens)]
+
+
+def _accept_part(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> list[bool]:
+    """accept_tokens over a part of a batch: the live grammars' single tokens in one `batch_accept_token`
+    call, the rest (a terminated grammar, several tokens) one by one as accept_tokens does."""
+    single = [i for i, (g, t) in enumerate(zip(grammars, tokens)) if len(t) == 1 and not g._terminated]
+    if len(single) < 2:
+        return _accept_each(grammars, tokens)
+    assert _BATCH_ACCEPT is not None
+    results = [True] * len(grammars)
+    oks = _BATCH_ACCEPT([grammars[i].matcher for i in single], [tokens[i][0] for i in single])
+    for i, ok in zip(single, oks):
+        results[i] = bool(ok)
+        if ok:
+            grammars[i]._terminated = grammars[i].matcher.is_terminated()
+    if len(single) < len(grammars):
+        chosen = set(single)
+        for i, (g, t) in enumerate(zip(grammars, tokens)):
+            if i not in chosen:
+                results[i] = g.accept_tokens("", t)
+    return results
 
 
 class XgrammarGrammar:
@@ -159,22 +186,28 @@ class XgrammarGrammar:
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
 
+    # Both batch forms below spend their time in xgrammar calls that release the GIL (one call per part of
+    # the batch where xgrammar has `batch_accept_token`), so the engine's manager may run them on a thread
+    # beside its own host work (core structured_output/manager.py NOTE 4).
+    gil_free_batches = _BATCH_ACCEPT is not None
+
     @staticmethod
     def accept_many(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> list[bool]:
         """accept_tokens for many requests at once. xgrammar's matcher releases the GIL, and accepting a token
         is its costly call (~30 us on the H200 host for a JSON schema's state, 8 ms a step at 256 requests,
-        against ~3 ms on 4 threads), so large batches go to a pool of up to 4 threads (half the cores)."""
+        against ~3 ms on 4 threads), so large batches go to a pool of up to 4 threads (half the cores), each
+        part one `batch_accept_token` call where xgrammar has it (the thread takes the GIL once a part, not
+        once a token: no queueing behind another thread's Python)."""
         n, threads = len(grammars), _ACCEPT_THREADS
+        part = _accept_part if _BATCH_ACCEPT is not None else _accept_each
         if threads <= 1 or n < 64:
-            return [g.accept_tokens("", t) for g, t in zip(grammars, tokens)]
+            return part(grammars, tokens)
         global _POOL
         if _POOL is None:
             _POOL = ThreadPoolExecutor(threads, thread_name_prefix="pagedllm-grammar-accept")
         size = (n + threads - 1) // threads
-        parts = _POOL.map(lambda lo: [g.accept_tokens("", t) for g, t in zip(grammars[lo:lo + size],
-                                                                              tokens[lo:lo + size])],
-                          range(0, n, size))
-        return [ok for part in parts for ok in part]
+        parts = _POOL.map(lambda lo: part(grammars[lo:lo + size], tokens[lo:lo + size]), range(0, n, size))
+        return [ok for oks in parts for ok in oks]
 
     @staticmethod
     def fill_bitmasks(grammars: list[XgrammarGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
