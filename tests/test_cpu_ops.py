@@ -136,6 +136,34 @@ def test_decode_attention(ops: Any, window: int | None, soft_cap: float | None) 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_over_long_scattered_contexts(ops: Any) -> None:
+    """Contexts of many blocks in any order, longer than the rows the kernel reads ahead (cpu_ops.c NOTE 3),
+    SmolLM2's heads (9 query heads on 3 KV heads), against the torch backend's own decode."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    lens = [300, 5, 77]
+    order = torch.randperm(63, generator=gen) + 1  # block 0 is the null block
+    blocks, used = [], 0
+    for n in lens:
+        count = -(-n // bs)
+        blocks.append(order[used : used + count].tolist())
+        used += count
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(64, bs, kv_heads, hd), generator=gen)
+    q = torch.randn(len(lens), heads, hd, generator=gen)
+    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
+    layer = AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None)
+    reference, fused = TorchSDPABackend.make_impl(layer), TorchSDPABackend.make_impl(layer)
+    fused.cpu_ops = ops
+    common = _decode_step(lens, blocks, bs)
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = reference.forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    md = TorchSDPABackend.build_metadata(common)
+    got = fused.forward(q, k, v, got_cache, md)
+    assert md.c_decode
+    assert torch.equal(got_cache, ref_cache)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_mixed_step_keeps_torch_path(ops: Any) -> None:
     """A step with a prefill in it goes through the torch code (the C kernel takes decode-only steps)."""
     heads, kv_heads, hd, bs = 4, 2, 8, 4

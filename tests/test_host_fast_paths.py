@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from test_kv_cache_manager import make_manager, make_request
 
@@ -162,3 +163,50 @@ def test_decode_slot_fast_path_caches_blocks_as_the_general_path() -> None:
         assert added[id(fast)] == added[id(slow)]
         assert fast.coordinator.managers[0].num_cached_block == slow.coordinator.managers[0].num_cached_block
         assert len(fast.block_pool.cached_block_hash_to_block) == len(slow.block_pool.cached_block_hash_to_block)
+
+
+def _plan_or_error(*args: object, **kwargs: object) -> object:
+    try:
+        return plan_inputs(*args, **kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        return str(e)
+
+
+def test_small_decode_batches_plan_as_the_numpy_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token per request for a few requests (input_prep.SMALL_DECODE_BATCH) is planned with plain ints: the
+    same arrays, dtypes and scalars as the numpy route, and the same error for a bad step, over random steps."""
+    from pagedllm.worker import input_prep
+
+    rng = random.Random(1)
+    for step in range(300):
+        num_reqs = rng.randrange(1, input_prep.SMALL_DECODE_BATCH + 1)
+        bs = rng.choice([1, 4, 16])
+        computed = [rng.randrange(0, 70) for _ in range(num_reqs)]
+        tokens = [[rng.randrange(0, 500) for _ in range(c + 1 + rng.randrange(0, 3))] for c in computed]
+        blocks = [[rng.randrange(1, 999) for _ in range(-(-(c + 1) // bs) + rng.randrange(0, 2))] for c in computed]
+        if step % 10 == 0:  # a bad step: too few tokens, too few blocks, or a negative count
+            i = rng.randrange(num_reqs)
+            kind = rng.randrange(3)
+            if kind == 0:
+                tokens[i] = tokens[i][: computed[i]]
+            elif kind == 1:
+                blocks[i] = blocks[i][: computed[i] // bs]
+            else:
+                computed[i] = -1
+        args = (tokens, computed, [1] * num_reqs, blocks, bs, num_reqs)
+        fast = _plan_or_error(*args, table_caches=[BlockTableCache()])
+        with monkeypatch.context() as m:
+            m.setattr(input_prep, "SMALL_DECODE_BATCH", 0)
+            slow = _plan_or_error(*args, table_caches=[BlockTableCache()])
+        assert type(fast) is type(slow), (step, fast, slow)
+        if isinstance(fast, str):
+            assert fast == slow, step
+            continue
+        assert isinstance(fast, input_prep.HostInputs) and isinstance(slow, input_prep.HostInputs)
+        for name, value in vars(slow).items():
+            got = getattr(fast, name)
+            if isinstance(value, np.ndarray):
+                assert got.dtype == value.dtype, (step, name)
+                np.testing.assert_array_equal(got, value, err_msg=f"step {step}: {name}")
+            else:
+                assert got == value, (step, name)

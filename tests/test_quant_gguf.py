@@ -244,27 +244,34 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
 @pytest.mark.skipif(cpu_ops() is None, reason="no C compiler for the fused CPU ops")
 def test_cpu_decode_plan_is_bit_identical_to_the_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-token decode as pre-bound C calls (plugins/models/llama/cpu_decode.py) gives the module path's
-    tokens and logprobs bit for bit, and is what a kept-quantized Llama decode runs."""
+    tokens and logprobs bit for bit, and is what a kept-quantized Llama decode runs: as one C call a step, and
+    as the Python loop over the same calls that it replaces."""
+    from pagedllm.plugins.models.llama.cpu_decode import CpuDecodePlan
     from pagedllm.plugins.models.llama.model import LlamaModel
 
     path = tmp_path / "tiny-llama-Q4_1.gguf"
     write_uniform_gguf(path, "llama", Q.Q4_1)
     prompt = [5, 70, 80, 90, 100, 3]
 
-    def run() -> tuple[Any, Any]:
+    def run(loop_too: bool = False) -> tuple[Any, ...]:
         engine = LLMEngine(EngineConfig(model=str(path)), plugin_manager=plugin_manager())
-        out = greedy_output(engine, prompt, 24)
-        backbone = engine.core.parts.model.model
+        outs = [greedy_output(engine, prompt, 24)]
+        cached = engine.core.parts.model.model.__dict__.get("_cpu_plan")
+        if loop_too:
+            assert cached is not None and isinstance(cached[1], CpuDecodePlan), "the decode plan was not built"
+            assert cached[1].one_call  # the whole step in one C call (cpu_decode.py NOTE 3) is what it ran
+            cached[1].one_call = False  # now the Python loop over the same C calls
+            outs.append(greedy_output(engine, prompt, 24))
         engine.shutdown()
-        return out, backbone.__dict__.get("_cpu_plan")
+        return tuple(outs)
 
-    planned, cached = run()
-    assert cached is not None and cached[1] is not None, "the decode plan was not built"
+    planned, looped = run(loop_too=True)
     monkeypatch.setattr(LlamaModel, "_cpu_decode_plan", lambda self: None)
-    modules, _ = run()
-    assert list(planned.token_ids) == list(modules.token_ids)
-    for a, b in zip(planned.logprobs, modules.logprobs, strict=True):
-        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+    (modules,) = run()
+    for other in (looped, modules):
+        assert list(planned.token_ids) == list(other.token_ids)
+        for a, b in zip(planned.logprobs, other.logprobs, strict=True):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
 def test_gguf_file_runs_kept_quantized_by_default_on_the_cpu(tmp_path: Path) -> None:

@@ -49,6 +49,10 @@ class RowMatmulMethod(Protocol):
         """A call (taking a thread count) that writes layer(x) for the one row x [1, K] into out [1, N]."""
         ...
 
+    # Optional too: `row_matmul_c_calls(layer, x, out) -> list[tuple[int, ...]] | None`, the same product as
+    # plain C calls (function address, type, weights, n, k, x, y), each function with the gguf plugin's
+    # gguf_matmul signature, for a plan that runs its whole step in C (CpuFusedOps.bind_decode_step).
+
 
 class CpuFusedOps(Protocol):
     """The CPU's fused C kernels a quantization method may bring (its config's optional `cpu_fused_ops()`):
@@ -60,6 +64,9 @@ class CpuFusedOps(Protocol):
     rotary_fn: Any  # cpu_rotary_neox(q, q_row, q_heads, k, k_row, k_heads, head, rows, pos, cos, sin, half)
     silu_fn: Any  # cpu_silu_and_mul(x, rows, d, out)
     attn_fn: Any  # cpu_decode_attention(...): write each decode's K/V row, then attend (0, or an error code)
+    # Optional: `bind_decode_step(spec) -> Callable`, a Llama model's whole one-token decode step as one C call
+    # (the gguf plugin's cpu_ops.py documents the spec: per layer the norms, attention parameters, KV cache and
+    # each linear's `row_matmul_c_calls`; the scratch buffers and shapes).
 
 
 class QuantizationConfig(Protocol):

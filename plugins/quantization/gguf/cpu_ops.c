@@ -3,13 +3,16 @@
  *
  * Built at first use by cpu_ops.py (cc -O3 -march=native -ffp-contract=off) and called through ctypes. All
  * float32, single-threaded (the work per call is microseconds: a parallel region would cost more than it
- * saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6).
+ * saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6); cpu_decode_step's row products run on their
+ * own library's threads.
  *
  *   cpu_add_rms_norm       out = norm(x + res) * w, res_out = x + res      (res NULL: out = norm(x) * w)
  *   cpu_rotary_neox        q, k rotated in place, neox halves, first `rot` dims of each head
  *   cpu_silu_and_mul       out = silu(x[:, :d]) * x[:, d:]
  *   cpu_decode_attention   write each decode's new K/V row into the paged cache, then one query per request
  *                          attends over its blocks (through the block table: no gather copy)
+ *   cpu_decode_step        a Llama model's whole one-token decode: the ops above and each layer's row products
+ *                          (function pointers into the matmul library), layer after layer (NOTE 5)
  *
  * NOTE 1: not bit-identical to torch (sums in another order, our own exp: NOTE 4), so the engine uses these only
  * where no bit-exact reference is promised (weights kept quantized; fused_ops.py set_cpu_ops). The rotary
@@ -174,8 +177,22 @@ void cpu_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
  * vs); cache [2, num_blocks, bs, nkv, head] contiguous; slots [D] where the new rows go; block_table [*, bts]
  * int32; seq_lens [D] int32 (the new token included); window 0 = none, else the last `window` positions;
  * soft_cap 0 = none. out [D, nh, head] contiguous. Returns 0, or -1 when out of memory.
- * NOTE 3: the query heads sharing a KV head (GQA) are done together, so each key and value row is read once
- * per KV head, not once per query head. */
+ * NOTE 3: one pass over the keys, then one over the values: each cache row (every KV head of one position,
+ * contiguous) is read once, by all the query heads, and the row PREFETCH_AHEAD positions on is asked for
+ * meanwhile. In single-stream decode a layer's cache rows are never in the CPU caches (the ~90 MB of weights
+ * each token streams evict them); reading one KV head's slice of every row, then the next head's, took
+ * 41 us a layer at ~100 positions (1.2 ms of an 11 ms token), three strided passes from memory per tensor.
+ * Each score and each output row is the same sum, in the same order, as head by head. */
+#define PREFETCH_AHEAD 4
+
+static inline const float *cache_row(const float *base, const int32_t *bt, int64_t bs, int64_t row, int64_t j) {
+    return base + ((int64_t)bt[j / bs] * bs + j % bs) * row;
+}
+
+static inline void prefetch_row(const float *r, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(r + i, 0, 3);
+}
+
 int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t ks, const float *v_new,
                          int64_t vs, float *cache, int64_t num_blocks, int64_t bs, int64_t nkv, int64_t head,
                          int64_t nh, const int64_t *slots, const int32_t *block_table, int64_t bts,
@@ -188,35 +205,133 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
     }
     int64_t max_len = 0;
     for (int64_t d = 0; d < D; d++) max_len = seq_lens[d] > max_len ? seq_lens[d] : max_len;
-    float *p = malloc((max_len + 1) * group * sizeof(float)); /* p[hh * len + j]: head hh of the group */
+    float *p = malloc((max_len + 1) * nh * sizeof(float)); /* p[h * n + j]: query head h, position j */
     if (!p) return -1;
+    const float *keys = cache, *values = cache + v_off;
     for (int64_t d = 0; d < D; d++) {
         const int64_t len = seq_lens[d], first = window > 0 && len > window ? len - window : 0, n = len - first;
         const int32_t *bt = block_table + d * bts;
-        for (int64_t g = 0; g < nkv; g++) {
-            const float *qg = q + d * qs + g * group * head; /* query heads g * group .. + group - 1 */
-            for (int64_t j = first; j < len; j++) {
-                const float *kr = cache + ((int64_t)bt[j / bs] * bs + j % bs) * row + g * head;
-                for (int64_t hh = 0; hh < group; hh++) {
-                    float s = dot(qg + hh * head, kr, head) * scale;
-                    if (soft_cap > 0.f) s = soft_cap * tanhf(s / soft_cap);
-                    p[hh * n + j - first] = s;
-                }
+        const float *qd = q + d * qs; /* query head h = g * group + hh reads KV head g (GQA) */
+        float *od = out + d * nh * head;
+        for (int64_t j = first; j < len; j++) {
+            if (j + PREFETCH_AHEAD < len) prefetch_row(cache_row(keys, bt, bs, row, j + PREFETCH_AHEAD), row);
+            const float *kr = cache_row(keys, bt, bs, row, j);
+            for (int64_t h = 0; h < nh; h++) {
+                float s = dot(qd + h * head, kr + h / group * head, head) * scale;
+                if (soft_cap > 0.f) s = soft_cap * tanhf(s / soft_cap);
+                p[h * n + j - first] = s;
             }
-            for (int64_t hh = 0; hh < group; hh++) {
-                float *ph = p + hh * n, m = -INFINITY;
-                for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;
-                const float inv = 1.f / exp_shifted(ph, n, m);
-                for (int64_t j = 0; j < n; j++) ph[j] *= inv;
-                memset(out + (d * nh + g * group + hh) * head, 0, head * sizeof(float));
-            }
-            for (int64_t j = first; j < len; j++) {
-                const float *vr = cache + v_off + ((int64_t)bt[j / bs] * bs + j % bs) * row + g * head;
-                for (int64_t hh = 0; hh < group; hh++)
-                    axpy(p[hh * n + j - first], vr, out + (d * nh + g * group + hh) * head, head);
-            }
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float *ph = p + h * n, m = -INFINITY;
+            for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;
+            const float inv = 1.f / exp_shifted(ph, n, m);
+            for (int64_t j = 0; j < n; j++) ph[j] *= inv;
+        }
+        memset(od, 0, nh * head * sizeof(float));
+        for (int64_t j = first; j < len; j++) {
+            if (j + PREFETCH_AHEAD < len) prefetch_row(cache_row(values, bt, bs, row, j + PREFETCH_AHEAD), row);
+            const float *vr = cache_row(values, bt, bs, row, j);
+            for (int64_t h = 0; h < nh; h++) axpy(p[h * n + j - first], vr + h / group * head, od + h * head, head);
         }
     }
     free(p);
+    return 0;
+}
+
+/* ---- A whole one-token decode step of a Llama model in one call (NOTE 5) ---------------------------------- */
+
+/* A one-row product y [1, n] = x [1, k] @ W^T as the matmul library's C function takes it (gguf_matmul's
+ * signature: type, weights, n, k, x, rows, y, threads; non-zero = not supported). */
+typedef int (*row_matmul_fn)(int, const void *, int64_t, int64_t, const float *, int64_t, float *, int);
+
+typedef struct {
+    row_matmul_fn fn;
+    int64_t type;
+    const void *w;
+    int64_t n, k;
+    const float *x;
+    float *y;
+} cpu_row_product;
+
+typedef struct {
+    const float *norm1, *norm2; /* input_layernorm / post_attention_layernorm weights */
+    float eps1, eps2;
+    int64_t gemma1, gemma2;
+    int64_t qkv, o, gate_up, down, end; /* products[qkv .. o) are qkv's pieces, and so on; `end` closes down's */
+    float scale, soft_cap;
+    int64_t window;
+    float *cache; /* this layer's [2, num_blocks, bs, nkv, head] */
+} cpu_decode_layer;
+
+typedef struct {
+    const cpu_decode_layer *layers;
+    int64_t num_layers;
+    const cpu_row_product *products;
+    int threads;
+    int64_t hidden, inter;
+    /* the step's inputs: the embedding row, positions [1], the attention metadata's slot, table row, length */
+    const float *x;
+    const int64_t *positions, *slots;
+    const int32_t *block_table;
+    int64_t block_table_stride;
+    const int32_t *seq_lens;
+    /* shapes: heads, KV cache */
+    int64_t nh, nkv, head, num_blocks, block_size;
+    /* rotary tables [max_position, half] */
+    const float *cos, *sin;
+    int64_t half;
+    /* scratch, all [1, *]: qkv (q | k | v), attention output, normed input, MLP input, gate_up, activation,
+     * the o and down products, and the two residual buffers */
+    float *qkv, *attn_out, *normed, *mlp_in, *gate_up, *act, *o_out, *down, *residual[2];
+    /* the final norm: weights, eps, gemma; its output */
+    const float *final_norm;
+    float final_eps;
+    int64_t final_gemma;
+    float *out;
+} cpu_decode_step_args;
+
+static int run_products(const cpu_row_product *p, int64_t from, int64_t to, int threads) {
+    for (int64_t i = from; i < to; i++)
+        if (p[i].fn((int)p[i].type, p[i].w, p[i].n, p[i].k, p[i].x, 1, p[i].y, threads)) return -2;
+    return 0;
+}
+
+/* NOTE 5: the Python loop this replaces (the llama plugin's CpuDecodePlan.run) made ~12 calls a layer through
+ * ctypes, ~360 a token, each converting its arguments (1-3 us, more with the caches cold from the weights);
+ * here the same calls run in the same order on the same buffers, so every output is bit for bit the loop's.
+ * Returns 0, -1 when the attention is out of memory, -2 when a product's type is not supported. */
+int cpu_decode_step(const cpu_decode_step_args *a) {
+    const int64_t h = a->hidden, q = a->nh * a->head, kv = a->nkv * a->head, row = q + 2 * kv;
+    float *qp = a->qkv, *kp = a->qkv + q, *vp = a->qkv + q + kv;
+    const float *x = a->x, *residual = NULL;
+    int which = 0;
+    for (int64_t l = 0; l < a->num_layers; l++) {
+        const cpu_decode_layer *L = &a->layers[l];
+        if (residual) {
+            cpu_add_rms_norm(x, residual, L->norm1, L->eps1, (int)L->gemma1, 1, h, a->normed, a->residual[which]);
+            residual = a->residual[which];
+            which = 1 - which;
+        } else { /* layer 0: its residual is the embedding itself (LlamaDecoderLayer.forward) */
+            cpu_add_rms_norm(x, NULL, L->norm1, L->eps1, (int)L->gemma1, 1, h, a->normed, NULL);
+            residual = x;
+        }
+        if (run_products(a->products, L->qkv, L->o, a->threads)) return -2;
+        cpu_rotary_neox(qp, row, a->nh, kp, row, a->nkv, a->head, 1, a->positions, a->cos, a->sin, a->half);
+        if (cpu_decode_attention(qp, row, kp, row, vp, row, L->cache, a->num_blocks, a->block_size, a->nkv, a->head,
+                                 a->nh, a->slots, a->block_table, a->block_table_stride, a->seq_lens, 1, L->scale,
+                                 L->window, L->soft_cap, a->attn_out))
+            return -1;
+        if (run_products(a->products, L->o, L->gate_up, a->threads)) return -2;
+        cpu_add_rms_norm(a->o_out, residual, L->norm2, L->eps2, (int)L->gemma2, 1, h, a->mlp_in, a->residual[which]);
+        residual = a->residual[which];
+        which = 1 - which;
+        if (run_products(a->products, L->gate_up, L->down, a->threads)) return -2;
+        cpu_silu_and_mul(a->gate_up, 1, a->inter, a->act);
+        if (run_products(a->products, L->down, L->end, a->threads)) return -2;
+        x = a->down;
+    }
+    /* x + residual is not needed after the last layer: written to the free residual buffer, as the loop did */
+    cpu_add_rms_norm(x, residual, a->final_norm, a->final_eps, (int)a->final_gemma, 1, h, a->out, a->residual[which]);
     return 0;
 }

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +50,56 @@ class CpuOps:
         self.attn_fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
                                f32, p]
         self.attn_fn.restype = c_int
+        self._step_fn = lib.cpu_decode_step
+        self._step_fn.argtypes = [ctypes.POINTER(_StepArgs)]
+        self._step_fn.restype = c_int
+
+    def bind_decode_step(self, spec: dict[str, Any]) -> Callable[..., None]:
+        """A Llama model's whole one-token decode step as one C call (cpu_ops.c NOTE 5), every pointer that does
+        not change between steps bound now; the returned call takes the step's (x, positions, slots,
+        block_table, block_table_stride, seq_lens, threads, out) addresses and raises as the ops do.
+
+        `spec` (a model's per-step plan builds it; addresses are ints): `layers`, one dict per layer with
+        norm1 / eps1 / gemma1, norm2 / eps2 / gemma2, the row products of qkv, o, gate_up and down as lists of
+        (function address, type, weights, n, k, x, y) -- C functions with gguf_matmul's signature, pieces at
+        their column offsets -- scale, window, soft_cap and cache (the layer's KV cache); and hidden, inter,
+        nh, nkv, head, num_blocks, block_size, cos, sin, half, the scratch buffers qkv, attn_out, normed,
+        mlp_in, gate_up, act, o_out, down, residual (two), and final_norm / final_eps / final_gemma.
+        """
+        layers = spec["layers"]
+        products: list[tuple[int, ...]] = []
+        rows = (_Layer * len(layers))()
+        for row, layer in zip(rows, layers, strict=True):
+            starts = []
+            for name in ("qkv", "o", "gate_up", "down"):
+                starts.append(len(products))
+                products.extend(layer[name])
+            row.norm1, row.eps1, row.gemma1 = layer["norm1"], layer["eps1"], layer["gemma1"]
+            row.norm2, row.eps2, row.gemma2 = layer["norm2"], layer["eps2"], layer["gemma2"]
+            row.qkv, row.o, row.gate_up, row.down = starts
+            row.end = len(products)
+            row.scale, row.soft_cap, row.window, row.cache = layer["scale"], layer["soft_cap"], layer["window"], layer["cache"]
+        product_rows = (_Product * len(products))(*(_Product(*p) for p in products))
+        args = _StepArgs(layers=rows, num_layers=len(layers), products=product_rows)
+        for name in ("hidden", "inter", "nh", "nkv", "head", "num_blocks", "block_size", "cos", "sin", "half",
+                     "qkv", "attn_out", "normed", "mlp_in", "gate_up", "act", "o_out", "down", "final_norm",
+                     "final_eps", "final_gemma"):
+            setattr(args, name, spec[name])
+        args.residual = (ctypes.c_void_p * 2)(*spec["residual"])
+        keep = (rows, product_rows)  # the arrays the struct points into live as long as the call
+        step, ref = self._step_fn, ctypes.byref(args)
+
+        def run(x: int, positions: int, slots: int, table: int, table_stride: int, seq_lens: int, threads: int,
+                out: int, _keep: tuple[Any, ...] = keep) -> None:
+            args.x, args.positions, args.slots, args.block_table = x, positions, slots, table
+            args.block_table_stride, args.seq_lens, args.threads, args.out = table_stride, seq_lens, threads, out
+            rc = step(ref)
+            if rc == -1:
+                raise MemoryError("cpu_decode_attention: out of memory")
+            if rc:
+                raise ValueError("cpu_decode_step: a row product's type is not supported")
+
+        return run
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool
@@ -117,6 +169,36 @@ class CpuOps:
         if rc:
             raise MemoryError("cpu_decode_attention: out of memory")
         return out
+
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Product(ctypes.Structure):
+    """cpu_ops.c's cpu_row_product."""
+
+    _fields_ = [("fn", _p), ("type", _i64), ("w", _p), ("n", _i64), ("k", _i64), ("x", _p), ("y", _p)]
+
+
+class _Layer(ctypes.Structure):
+    """cpu_ops.c's cpu_decode_layer."""
+
+    _fields_ = [("norm1", _p), ("norm2", _p), ("eps1", _f32), ("eps2", _f32), ("gemma1", _i64), ("gemma2", _i64),
+                ("qkv", _i64), ("o", _i64), ("gate_up", _i64), ("down", _i64), ("end", _i64),
+                ("scale", _f32), ("soft_cap", _f32), ("window", _i64), ("cache", _p)]
+
+
+class _StepArgs(ctypes.Structure):
+    """cpu_ops.c's cpu_decode_step_args."""
+
+    _fields_ = [("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("products", ctypes.POINTER(_Product)),
+                ("threads", ctypes.c_int), ("hidden", _i64), ("inter", _i64),
+                ("x", _p), ("positions", _p), ("slots", _p), ("block_table", _p), ("block_table_stride", _i64),
+                ("seq_lens", _p), ("nh", _i64), ("nkv", _i64), ("head", _i64), ("num_blocks", _i64),
+                ("block_size", _i64), ("cos", _p), ("sin", _p), ("half", _i64),
+                ("qkv", _p), ("attn_out", _p), ("normed", _p), ("mlp_in", _p), ("gate_up", _p), ("act", _p),
+                ("o_out", _p), ("down", _p), ("residual", _p * 2),
+                ("final_norm", _p), ("final_eps", _f32), ("final_gemma", _i64), ("out", _p)]
 
 
 @functools.cache

@@ -33,6 +33,7 @@ on the kernel (`fallback_reason`).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -363,6 +364,26 @@ class GGUFLinearMethod(_PieceCollector):
                 dst.copy_(kernel.forward(inputs))
 
         return run
+
+    def row_matmul_c_calls(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> list[tuple[int, ...]] | None:
+        """`bind_row_matmul`'s product as plain C calls, for a plan that runs the whole step in C: one
+        (function address, type, weights, n, k, x, y) per piece, each function with gguf_matmul's signature
+        (type, weights, n, k, x, rows, y, threads). None where some piece is not such a call."""
+        if getattr(layer, "bias", None) is not None or getattr(layer, "tp_size", 1) != 1 or "gguf_run" not in layer.__dict__:
+            return None
+        calls: list[tuple[int, ...]] = []
+        offset = 0
+        for kernel in _kernels(layer):
+            n = int(cast(Any, kernel).n)
+            dst = out[:, offset : offset + n]
+            if not isinstance(kernel, NativeKernel) or not dst.is_contiguous():
+                return None
+            fn, ggml_type, blocks, n, k, xp, _rows, yp = kernel.row_call(x, dst)
+            calls.append((cast(int, ctypes.cast(fn, ctypes.c_void_p).value), ggml_type, blocks, n, k, xp, yp))
+            offset += n
+        if offset != out.shape[1]:
+            raise ValueError(f"kernels give {offset} outputs, the layer {out.shape[1]}")
+        return calls
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernels = _kernels(layer)
