@@ -1,0 +1,280 @@
+"""The `cpu` attention backend (plugins/attention/cpu/): its C kernel against the torch reference and float64.
+
+Kernel level: the conformance kit (the torch backend's outputs and cache, slot for slot, on random block tables,
+two steps: the history written, then decodes + fresh prompts + chunks over a cached prefix) in bf16 and
+float32, with the kit's small cases and SmolLM2's heads (9 query / 3 KV heads of 64, pages of 16); then both
+backends against float64 softmax attention computed here from the cache itself, the C kernel no further from it
+than the reference is; threads change no bit. Selection: what check() refuses, and a bf16 CPU engine picking
+it. End to end: a tiny bf16 Llama's greedy tokens equal transformers' own bf16 forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_models import hf_greedy_with, make_tiny_model
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.api import AttentionSelectionContext
+from pagedllm.api.attention import AttentionLayerConfig, CommonAttentionMetadata
+from pagedllm.plugins.attention.cpu import _check
+from pagedllm.plugins.attention.cpu import backend as cpu_backend
+from pagedllm.plugins.attention.cpu.backend import CpuAttentionBackend
+from pagedllm.plugins.attention.torch_sdpa.backend import TorchSDPABackend
+from pagedllm.testing import check_attention_backend
+from pagedllm.testing.attention import AttentionCase
+
+pytestmark = pytest.mark.skipif(
+    cpu_backend.paged_attention() is None, reason=f"no C kernel: {cpu_backend.unavailable_reason()}"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Float32Probe(CpuAttentionBackend):
+    """The backend under a name no registration holds, so the kit runs float32 cases the check refuses."""
+
+    name = "cpu_float32_probe"
+
+
+# SmolLM2-135M's attention (9 query heads, 3 KV heads of 64) on pages of 16, in steps the engine makes.
+_SMOLLM2 = {"num_heads": 9, "num_kv_heads": 3, "head_size": 64, "block_size": 16}
+SMOLLM2_CASES = (
+    AttentionCase("decodes", (31, 47, 64, 100, 15, 250), (1,) * 6, **_SMOLLM2),  # type: ignore[arg-type]
+    # decodes, fresh prompts and chunks continuing a cached prefix, in one step; tiles of 16 rows and a tail
+    AttentionCase("mixed", (40, 17, 0, 0, 48, 100), (1, 1, 33, 70, 16, 37), **_SMOLLM2),  # type: ignore[arg-type]
+    AttentionCase("window", (60, 0, 30), (1, 90, 45), sliding_window=24, **_SMOLLM2),  # type: ignore[arg-type]
+    AttentionCase("soft_cap", (60, 0, 30), (1, 40, 45), logits_soft_cap=30.0, **_SMOLLM2),  # type: ignore[arg-type]
+    # a head that is not a multiple of the vector width, more query heads per KV head
+    AttentionCase("head_40", (20, 0), (1, 23), num_heads=8, num_kv_heads=2, head_size=40, block_size=16),
+)
+
+
+@pytest.mark.parametrize("cases", ["kit", "smollm2"])
+def test_bf16_matches_the_torch_backend(cases: str) -> None:
+    chosen = SMOLLM2_CASES if cases == "smollm2" else None
+    report = check_attention_backend("cpu", dtype=torch.bfloat16, **({"cases": chosen} if chosen else {}))
+    assert report.same_layout and not report.skipped and len(report.ran) >= 5
+
+
+@pytest.mark.parametrize("cases", ["kit", "smollm2"])
+def test_float32_matches_the_torch_backend(cases: str) -> None:
+    chosen = SMOLLM2_CASES if cases == "smollm2" else None
+    report = check_attention_backend(_Float32Probe, dtype=torch.float32, **({"cases": chosen} if chosen else {}))
+    assert report.same_layout and not report.skipped and report.max_rel_error < 1e-5
+
+
+# -- against float64 attention computed here ---------------------------------------------------------------
+
+
+def _step(
+    contexts: list[int], queries: list[int], dtype: torch.dtype, seed: int, bs: int = 16, nh: int = 9, nkv: int = 3,
+    hs: int = 64,
+) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """One step over a random cache: request i has contexts[i] tokens in it and queries[i] new ones."""
+    from pagedllm.worker.input_prep import prepare_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [c + q for c, q in zip(contexts, queries, strict=True)]
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = []
+    for n in lens:
+        take = -(-n // bs)
+        tables.append(perm[:take])
+        perm = perm[take:]
+    num_decodes = next((i for i, q in enumerate(queries) if q != 1), len(queries))
+    inputs = prepare_inputs([list(range(n)) for n in lens], contexts, queries, tables, bs, torch.device("cpu"),
+                            num_decodes)
+    tokens = sum(queries)
+    q = torch.randn(tokens, nh, hs, generator=gen).to(dtype)
+    k = torch.randn(tokens, nkv, hs, generator=gen).to(dtype)
+    v = torch.randn(tokens, nkv, hs, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, bs, nkv, hs, generator=gen).to(dtype)
+    return inputs.attn, q, k, v, cache, tables
+
+
+def _float64_attention(
+    q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], contexts: list[int], queries: list[int],
+    scale: float, window: int | None, soft_cap: float | None,
+) -> torch.Tensor:
+    """Softmax attention in float64, each request's K/V read from the (already written) cache position by position."""
+    _, _, bs, nkv, hs = cache.shape
+    nh = q.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for table, c, n in zip(tables, contexts, queries, strict=True):
+        length = c + n
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)])
+        k = cache[0].reshape(-1, nkv, hs)[slots].double().repeat_interleave(nh // nkv, dim=1)  # [L, nh, hs]
+        v = cache[1].reshape(-1, nkv, hs)[slots].double().repeat_interleave(nh // nkv, dim=1)
+        qq = q[row : row + n].double()
+        scores = torch.einsum("qhd,khd->hqk", qq, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        qpos = torch.arange(c, length)[:, None]
+        kpos = torch.arange(length)[None, :]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window is not None else True)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[row : row + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (40, None), (None, 20.0)])
+def test_no_further_from_float64_than_the_reference(
+    dtype: torch.dtype, window: int | None, soft_cap: float | None
+) -> None:
+    contexts, queries = [300, 17, 64, 0, 90], [1, 1, 1, 150, 61]
+    common, q, k, v, cache, tables = _step(contexts, queries, dtype, seed=7)
+    layer = AttentionLayerConfig(9, 64, 3, 64**-0.5, window, soft_cap)
+    ref_cache = cache.clone()
+    got = CpuAttentionBackend.make_impl(layer).forward(q, k, v, cache, CpuAttentionBackend.build_metadata(common))
+    ref = TorchSDPABackend.make_impl(layer).forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    assert torch.equal(cache, ref_cache)  # the same K/V written at the same slots
+    exact = _float64_attention(q, cache, tables, contexts, queries, layer.scale, window, soft_cap)
+    err, ref_err = (got.double() - exact).abs().max().item(), (ref.double() - exact).abs().max().item()
+    # bf16: both round the output to bf16 (~2^-9 relative); float32: both sum in float32 (~1e-7).
+    assert err <= 1.25 * ref_err + (1e-6 if dtype == torch.float32 else 1e-3), (err, ref_err)
+    assert got.dtype == dtype and err < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+# The kernel's other instruction-set paths, built with other flags and run here (this CPU has them all).
+_ISA_FLAGS = {
+    "avx512 without bf16": ["-march=skylake-avx512"],
+    "avx2": ["-march=haswell"],
+    "plain C": ["-march=x86-64", "-mno-sse3"],
+}
+
+
+@pytest.mark.parametrize("isa", list(_ISA_FLAGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_instruction_set_path_matches(isa: str, dtype: torch.dtype) -> None:
+    import ctypes
+    import platform
+
+    from pagedllm.api.kernels import load_native
+    from pagedllm.plugins.attention.cpu import paged_attention as pa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction sets")
+    flags = [f for f in pa.FLAGS if f != "-march=native"] + _ISA_FLAGS[isa]
+    lib, why = load_native(pa.SOURCE, flags, pa.DISABLE_ENV, "nothing")
+    assert lib is not None, why
+    contexts, queries = [100, 7, 0, 40], [1, 1, 50, 21]
+    common, q, k, v, cache, _ = _step(contexts, queries, dtype, seed=11, hs=40)  # a head with a tail
+    layer = AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0)
+    native = CpuAttentionBackend.make_impl(layer)
+    other = CpuAttentionBackend.make_impl(layer)
+    fn = lib.cpu_paged_attention
+    fn.argtypes, fn.restype = native._fn.argtypes, ctypes.c_int  # type: ignore[attr-defined]
+    other._fn = fn
+    md = CpuAttentionBackend.build_metadata(common)
+    got, cache2 = other.forward(q, k, v, cache.clone(), md), cache.clone()
+    want = native.forward(q, k, v, cache2, md)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max() <= rtol * want.float().abs().max()
+
+
+def test_threads_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    contexts, queries = [200, 33, 7, 0, 120], [1, 1, 1, 80, 40]
+    common, q, k, v, cache, _ = _step(contexts, queries, torch.bfloat16, seed=3)
+    impl = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125))
+    md = CpuAttentionBackend.build_metadata(common)
+    torch.set_num_threads(1)
+    one = impl.forward(q, k, v, cache.clone(), md)
+    monkeypatch.setattr(cpu_backend, "MIN_WORK_PER_THREAD", 0)  # threads even for this small step
+    torch.set_num_threads(2)
+    assert torch.equal(impl.forward(q, k, v, cache.clone(), md), one)
+
+
+def test_padding_rows_are_zero_and_bad_slots_are_refused() -> None:
+    common, q, k, v, cache, _ = _step([10, 0], [1, 5], torch.bfloat16, seed=1)
+    impl = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125))
+    md = CpuAttentionBackend.build_metadata(common)
+    padded = torch.cat([q, torch.ones(2, 9, 64, dtype=q.dtype)])  # two rows past the requests' (a padded batch)
+    out = impl.forward(padded, torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), cache, md)
+    assert out.shape == padded.shape and not out[-2:].any() and out[:-2].abs().sum() > 0
+    md.slot_mapping[0] = cache.shape[1] * cache.shape[2]  # one past the last slot
+    with pytest.raises(ValueError, match="outside the"):
+        impl.forward(q, k, v, cache, md)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        impl.forward(q.half(), k.half(), v.half(), cache.half(), CpuAttentionBackend.build_metadata(common))
+
+
+# -- selection --------------------------------------------------------------------------------------------
+
+
+def _ctx(**kw: Any) -> AttentionSelectionContext:
+    base: dict[str, Any] = dict(device_type="cpu", compute_capability=None, dtype="bfloat16", kv_cache_dtype="auto",
+                                head_size=64, block_size=16)
+    return AttentionSelectionContext(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"device_type": "cuda", "compute_capability": (9, 0)}, "CPU tensors only"),
+        ({"dtype": "float32"}, "float32 stays on the exact torch backend"),
+        ({"dtype": "float16"}, "bfloat16 models only"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "kv cache dtype fp8_e4m3"),
+        ({"sinks": True}, "no attention sinks"),
+        ({"chunked_local": True}, "no chunked local attention"),
+    ],
+)
+def test_check_refuses_what_it_does_not_implement(change: dict[str, Any], reason: str) -> None:
+    assert _check(_ctx()) == []
+    assert _check(_ctx(sliding_window=True, logits_soft_cap=True, kv_cache_dtype="bfloat16")) == []
+    assert any(reason in r for r in _check(_ctx(**change)))
+
+
+def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_CPU_ATTENTION", "0")
+    assert _check(_ctx()) == ["PAGEDLLM_CPU_ATTENTION=0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_root: Path) -> str:
+    return make_tiny_model("llama", tiny_root)
+
+
+def test_a_bf16_cpu_engine_picks_it_and_float32_keeps_torch(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pagedllm.cli.main import main
+
+    argv = ["config", "show", "--resolve", "--model", tiny_llama, "--device", "cpu", "--num-kv-blocks", "32",
+            "--max-model-len", "64", "--dtype"]
+    assert main([*argv, "bfloat16"]) == 0
+    assert "attention_backend: cpu (highest priority that passed its checks; priority 10" in capsys.readouterr().out
+    assert main([*argv, "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "attention_backend: torch (" in out
+    assert "  - cpu: bfloat16 models only (dtype float32; float32 stays on the exact torch backend)" in out
+
+
+def test_bf16_greedy_equals_transformers_bf16(tiny_llama: str) -> None:
+    """Prefill, chunked prefill (a 16-token step budget splits the 57-token prompt) and batched decode through
+    the C kernel, against transformers' own bf16 forward (the same prompts test_cpu_dtype.py holds the torch
+    backend to)."""
+    import transformers
+
+    prompts = [[1, 17, 33, 200, 5], [1, 250, 9], list(range(3, 60))]
+    llm = LLM(tiny_llama, dtype="bfloat16", device="cpu", num_kv_blocks=64, max_model_len=128, block_size=16,
+              max_num_batched_tokens=16)
+    assert llm.engine.parts.selections["attention"].winner.name == "cpu"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_with(model, p, 12)[0] for p in prompts]
