@@ -38,7 +38,10 @@ class KVCacheConfigSection(_Section):
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="force the number of blocks (overrides memory)")
-    memory_gb: float = Field(1.0, gt=0, description="KV-cache budget on CPU (GiB)")
+    memory_gb: float = Field(
+        1.0, gt=0, description="KV-cache budget on CPU (GiB); unset: sized from the machine's available memory "
+        "and max_num_seqs, at least 1.0 (platform/cpu_sizing.py)",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="fraction of GPU memory to use")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of shared prompt prefixes")
     cache_dtype: str = Field(
@@ -71,8 +74,14 @@ class SchedulerConfig(_Section):
     """Which scheduler plugin decides each step's batch, and its limits."""
 
     name: str = Field("fcfs", description="scheduler plugin name")
-    max_num_seqs: int = Field(64, ge=1, description="most requests in one step")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(
+        64, ge=1, description="most requests in one step (on the CPU, unset: 64 per physical core within 64..256, "
+        "bounded by the memory: platform/cpu_sizing.py)",
+    )
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget of one step (on the CPU, unset: 1024 per physical core within "
+        "2048..4096)",
+    )
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps within the token budget")
     max_waiting: int | None = Field(None, ge=1, description="bound on queued requests (None: unbounded)")
     admission_headroom_tokens: int = Field(
@@ -295,6 +304,12 @@ class EngineConfig(_Section):
     def _expand(cls, v: str | None) -> str | None:
         return os.path.expanduser(v) if v else v
 
+    def to_process_dict(self) -> dict[str, Any]:
+        """Every value, for another process's `model_validate`, less the sections' keys left unset at their
+        defaults: a dump of every key would make each one look set there, and on the CPU an unset batch or KV
+        size is sized from the machine (platform/cpu_sizing.py) while a set one is taken as given."""
+        return _dump_keeping_unset(self)
+
     @classmethod
     def from_file(
         cls,
@@ -451,6 +466,19 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"override {dotted}: '{part}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _dump_keeping_unset(model: BaseModel, top: bool = True) -> dict[str, Any]:
+    """model_dump(), less each section key that is unset and still equal to its default (a top-level key,
+    or a value changed in place, is always kept: nothing but the defaults' unset-ness is dropped)."""
+    out: dict[str, Any] = {}
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            out[name] = _dump_keeping_unset(value, top=False)
+        elif top or name in model.model_fields_set or value != info.get_default(call_default_factory=True):
+            out[name] = model.model_dump(include={name})[name]
+    return out
 
 
 def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:

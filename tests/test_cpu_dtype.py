@@ -92,8 +92,8 @@ def test_pagedllm_cpu_flags_replaces_the_probes_flags(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(
     ("flags", "requested", "expected"),
     [
-        # auto stays on the blocks for now (cpu_compute.py NOTE 3), saying why either way.
-        (_AMX, "auto", "float32"), (_AVX512_BF16, "auto", "float32"), (_AVX2, "auto", "float32"),
+        # auto takes the bf16 units where they exist (cpu_compute.py NOTE 3), saying why either way.
+        (_AMX, "auto", "bfloat16"), (_AVX512_BF16, "auto", "bfloat16"), (_AVX2, "auto", "float32"),
         (_AMX, "quantized", "float32"), (_AMX, "bf16", "bfloat16"), (_AVX2, "bf16", "bfloat16"),
     ],
 )
@@ -108,6 +108,7 @@ def test_a_bf16_copy_that_would_not_fit_keeps_the_weights_quantized() -> None:
     # A 70B model's bf16 copy (~140 GB) on a 64 GiB machine: every product stays on the GGUF blocks.
     choice = choose_gguf_batch_gemm(features, "bf16", 140 * 10**9, 64 * 2**30)
     assert choice.value == "float32" and "would take more than 50%" in choice.reason
+    assert choose_gguf_batch_gemm(features, "auto", 140 * 10**9, 64 * 2**30).value == "float32"  # auto alike
     assert choose_gguf_batch_gemm(features, "bf16", None, None).value == "bfloat16"  # unknown sizes: as asked
     assert "AVX512-BF16" in choose_gguf_batch_gemm(parse_cpuinfo(_cpuinfo(_AVX2)), "auto", None, None).reason
 

@@ -42,15 +42,17 @@ def add_parser(sub: Any) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
-    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False).rstrip())
     if args.resolve:
         from pagedllm.engine.builder import build_engine
         from pagedllm.plugin_manager import get_plugin_manager
 
         get_plugin_manager().load_config(cfg)
-        text = build_engine(cfg).describe()
+        parts = build_engine(cfg)
+        # The build's config: what the engine resolved (on the CPU, batch and KV sizes from the machine).
+        cfg, text = parts.config, parts.describe()
     else:
         text = preview_selections(cfg)
+    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False).rstrip())
     print("\n# selected components" + ("" if args.resolve else " (without loading the model; --resolve for all)"))
     print("\n".join(f"# {line}" for line in text.splitlines()))
     return 0

@@ -101,6 +101,7 @@ class AsyncLLM:
         self.client = EngineCoreClient(config, self._on_outputs, self._on_death)
         self.limits = limits or AdmissionLimits()
         self.max_waiting: int | None = None  # resolved once the core has said its KV capacity
+        self.max_num_seqs = config.scheduler.max_num_seqs  # the core's, once it has said (start())
         self.restarts = 0  # engine-core processes spawned after the first (NOTE 3)
         # Called with the reason when the core dies (NOTE 3); the entrypoint decides: restart or exit.
         self.death_listeners: list[Callable[[str], None]] = []
@@ -127,8 +128,10 @@ class AsyncLLM:
         self._requests = RequestBuilder(self.tokenizer, limits, reject_unrunnable=True,
                                         check_structured_outputs=structured_outputs_check(self.pm, self.config))
         sched = self.config.scheduler
+        # The core's own batch limit: on the CPU it may be sized from the machine there (Ready.max_num_seqs).
+        self.max_num_seqs = self._ready.max_num_seqs or sched.max_num_seqs
         self.max_waiting = resolve_max_waiting(
-            self.limits, sched.max_waiting, sched.max_num_seqs, self._ready.num_blocks, self._ready.block_size,
+            self.limits, sched.max_waiting, self.max_num_seqs, self._ready.num_blocks, self._ready.block_size,
             self._ready.max_model_len,
         )
         self.pm.hook.engine_started(engine=self)
@@ -260,7 +263,7 @@ class AsyncLLM:
         if self.client.dead_reason is not None:
             raise EngineDeadError(self.client.dead_reason)
         bound = self.max_waiting
-        if bound is not None and self.num_unfinished_sequences + params.n > self.config.scheduler.max_num_seqs + bound:
+        if bound is not None and self.num_unfinished_sequences + params.n > self.max_num_seqs + bound:
             raise QueueFullError(f"the waiting queue is full ({bound} requests waiting); retry later")
         if self.limits.max_tokens is not None:
             prompt, params = self._within_max_tokens(prompt, params, self.limits.max_tokens)

@@ -23,6 +23,7 @@ from pagedllm.config import EngineConfig, plugin_section, validate_plugin_sectio
 from pagedllm.default_model import resolve_model_reference
 from pagedllm.distributed.pp_partition import check_pipeline_parallel
 from pagedllm.distributed.shard_check import check_tensor_parallel
+from pagedllm.engine.cpu_sizes import resolve_cpu_sizes
 from pagedllm.engine.kv_plan import DTYPES, KVPlan, plan_kv_cache
 from pagedllm.engine.runner_plugins import RunnerPlugins, TargetFacts, build_runner_plugins
 from pagedllm.engine.thread_load import check_thread_load
@@ -78,7 +79,8 @@ class EngineParts:
     # The config's logits processors, in the runner's sampler (runner_plugins.py); rank 0 only.
     logits_processors: list[Any] = field(default_factory=list)
     pipeline_split: str | None = None  # which layers each pipeline stage holds, and why (pp_partition.py)
-    # Why the CPU dtype and (GGUF kept quantized) batch GEMM are what they are (platform/cpu_compute.py).
+    # Why the CPU dtype, (GGUF kept quantized) batch GEMM and batch / KV sizes are what they are
+    # (platform/cpu_compute.py, platform/cpu_sizing.py).
     compute_notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -220,6 +222,11 @@ def build_engine_parts(
     comps = _select_components(config, pm, source, tp_size, plugin_sections)
     model = _build_and_load_model(config, source, comps, tp_rank, tp_size, pp_rank)
     clock("model and weights")
+    sizing_notes: tuple[str, ...] = ()
+    if comps.device.type == "cpu":
+        # Batch limits and KV size the config leaves unset, from the machine (cpu_sizes.py); the rest of the
+        # build (KV plan, scheduler, runner, EngineParts.config) takes the resolved config.
+        config, sizing_notes = resolve_cpu_sizes(config, model, source.trained_len)
     kv = plan_kv_cache(config, pm, model, comps.backend, comps.device, source.trained_len)
     scheduler, scheduler_sel = _build_scheduler(config, pm, kv, comps.block_size)
     clock("KV cache sizing and allocation")
@@ -241,7 +248,7 @@ def build_engine_parts(
         config, source.model_ref, source.info, model, runner, scheduler, kv.manager, kv.max_model_len,
         kv.num_blocks, comps.block_size, comps.device, comps.dtype, selections, clock.elapsed(), tp_size=tp_size,
         capacity=kv.capacity, startup_phases=clock.phases, logits_processors=plugins.logits_processors,
-        pipeline_split=split, compute_notes=comps.compute_notes,
+        pipeline_split=split, compute_notes=comps.compute_notes + sizing_notes,
     )
     logger.info("engine built in %.1fs\n%s", parts.load_seconds, parts.describe())
     return parts

@@ -98,7 +98,8 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
             target=run_engine_core,
-            args=(self.config.model_dump(), self.input_addr, self.output_addr, os.getpid()),
+            # The sizes the config left unset stay unset there (config.py to_process_dict).
+            args=(self.config.to_process_dict(), self.input_addr, self.output_addr, os.getpid()),
             name="pagedllm-engine-core",
             daemon=True,
         )

@@ -122,6 +122,7 @@ def _build(config_dict: dict[str, Any]) -> tuple[Any, Ready]:
         vocab_size=limits.vocab_size,
         num_blocks=parts.num_blocks,
         block_size=parts.block_size,
+        max_num_seqs=parts.config.scheduler.max_num_seqs,
     )
     return EngineCore(parts, pm), ready
 

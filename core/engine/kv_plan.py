@@ -106,6 +106,14 @@ def _check_stage_layouts(config: EngineConfig, layout: KVCacheLayout) -> None:
 
 def _kv_layout(config: EngineConfig, model: Any) -> tuple[list[KVCacheSpec], KVCacheLayout]:
     """The model's KV specs as configured, grouped into a layout the model's layers are bound to."""
+    specs, layout = kv_layout(config, model)
+    bind_kv_groups(model, layout)
+    return specs, layout
+
+
+def kv_layout(config: EngineConfig, model: Any) -> tuple[list[KVCacheSpec], KVCacheLayout]:
+    """The model's KV specs as configured, grouped into a layout (not bound to the layers: the CPU sizing
+    reads its bytes per block before the cache is planned, platform/cpu_sizing.py)."""
     specs: list[KVCacheSpec] = model.kv_cache_specs()
     if config.kv_cache.disable_sliding_window:
         specs = [_as_full_attention(s) for s in specs]
@@ -113,9 +121,7 @@ def _kv_layout(config: EngineConfig, model: Any) -> tuple[list[KVCacheSpec], KVC
     # the blocks in the same memory) and the cache tensors; the chosen backend passed the same dtype in check().
     specs = [_with_cache_dtype(s, config.kv_cache.cache_dtype) for s in specs]
     # Groups by spec, split to equal sizes; groups of one page layout share cache tensors (kv_cache/layout.py).
-    layout = KVCacheLayout.plan(specs)
-    bind_kv_groups(model, layout)
-    return specs, layout
+    return specs, KVCacheLayout.plan(specs)
 
 
 def select_kv_manager(pm: PluginManager, spec: KVCacheSpec) -> Selection:

@@ -47,7 +47,8 @@ class LLMEngine:
         if model is not None:
             overrides["model"] = model
         if isinstance(config, EngineConfig):
-            cfg = EngineConfig.from_dict(config.model_dump(), overrides)
+            # Not model_dump(): that would make every key look set, so none would be sized from the machine.
+            cfg = EngineConfig.from_dict(config.to_process_dict(), overrides)
         elif config is not None:
             cfg = EngineConfig.from_file(config, overrides)
         else:

@@ -65,6 +65,9 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     num_blocks: int
     block_size: int
+    # The core's resolved scheduler.max_num_seqs (on the CPU sized from the machine when unset:
+    # platform/cpu_sizing.py); 0 = the frontend's config says it (a data-parallel router).
+    max_num_seqs: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -6,8 +6,9 @@ Two choices, each returned with the reason `pagedllm config show --resolve` and 
    AVX512-BF16), float32 otherwise. Weights, activations and the KV cache then share that dtype; oneDNN runs
    the bf16 GEMMs on those units.
 2. For a GGUF file kept quantized (`cpu_kernels`, EngineConfig): which GEMM its large products (prefill,
-   batches of >= 16 rows) run -- the matrix dequantized to float32 per call (the default, NOTE 3), or, asked
-   for, a bf16 GEMM on a bf16 copy of each matrix made at load; decode (fewer rows) stays on gguf_cpu.c's kernels.
+   batches of >= 16 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load where the CPU has bf16
+   dot products and the copy fits (NOTE 3), else the matrix dequantized to float32 per call; decode (fewer rows)
+   stays on gguf_cpu.c's kernels.
 
 NOTE 1: measured on an AMD EPYC (Zen 4: AVX512-BF16, no AMX; 2 cores, loaded), 2026-12-01: torch's bf16 GEMM
 ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row bf16 products carry ~40 us of
@@ -15,13 +16,14 @@ fixed cost (576 x 576: 50 us against float32's 30 us), so single-stream decode i
 size. A dense model therefore runs in bf16 where the units exist (the bigger the matrices, the more bf16's
 halved bytes win at one row too: 4096 x 4096 ran 13.5 ms against 18.2 ms); a GGUF model keeps its C kernels
 for decode (faster than either dense GEMV there) and can take bf16 for the large products: SmolLM2's
-32-prompt batch ran 1.5x faster and its time to first token 2x, decode unchanged (docs/cpu.md has the runs;
-not the default: NOTE 3).
-NOTE 3: `cpu_kernels: auto` keeps float32 for now: bf16 prefill moves the hidden states enough to flip a
-near-tied first token, and README's first command hits one (SmolLM2, "What is the capital of France?": "The"
-at logprob -1.88 against "L" at -1.97 in float32; bf16 answers "L'Étoile, ..."). Teacher-forced top-1 still
-agrees on 99.3 % of positions (tests/test_cpu_dtype.py); the switch waits for a bf16 copy that rounds less
-(or a float32 last prefill layer) and a decision on what agreement the default must keep.
+32-prompt batch ran 1.5x faster and its time to first token 2x, decode unchanged (docs/cpu.md has the runs).
+NOTE 3: `cpu_kernels: auto` takes the bf16 GEMMs where the CPU has bf16 units. They round: bf16 prefill moves
+the hidden states enough to flip a near-tied first token, e.g. README's first command (SmolLM2, "What is the
+capital of France?": "The" at logprob -1.88 against "L" at -1.97 in float32) answers "L'Étoile, ..." instead
+of float32's "The capital of France is Paris." -- which is also what llama.cpp itself answers on the same file
+(its CPU kernels quantize the activations to 8 bits), so the float32 answer was the near-tie's luck, not the
+file's reference behaviour. Teacher-forced top-1 agrees with float32 on 99.3 % of positions
+(tests/test_cpu_dtype.py holds it >= 99 %); `cpu_kernels: quantized` keeps every product in float32.
 NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
 takes at most half the memory available at start-up, so a model that fits only quantized still loads.
 """
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pagedllm.platform.cpu_features import CPUFeatures
+from pagedllm.platform.host_memory import host_memory
 
 CpuKernels = Literal["auto", "quantized", "bf16"]
 # NOTE 2: the share of available memory a bf16 copy of the weights may take.
@@ -82,18 +85,11 @@ def choose_gguf_batch_gemm(
     """
     if requested == "quantized":
         return CpuChoice("float32", "cpu_kernels: quantized (config): every product on the GGUF blocks")
-    if requested == "auto":
-        if not features.bf16_matrix_units:
-            return CpuChoice(
-                "float32",
-                f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product "
-                "on the GGUF blocks",
-            )
-        # NOTE 3: not the default yet, though faster: bf16 prefill flips near-tied greedy tokens.
+    if requested == "auto" and not features.bf16_matrix_units:
         return CpuChoice(
             "float32",
-            "cpu_kernels auto: every product on the GGUF blocks (float32); `cpu_kernels: bf16` runs products of "
-            ">= 16 rows as bf16 GEMMs on this CPU's bf16 units (faster prefill and batches, near-ties may flip)",
+            f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product "
+            "on the GGUF blocks",
         )
     too_big = bf16_copy_bytes is not None and available_bytes is not None and (
         bf16_copy_bytes > DEQUANTIZED_MEMORY_SHARE * available_bytes
@@ -102,14 +98,19 @@ def choose_gguf_batch_gemm(
         assert bf16_copy_bytes is not None and available_bytes is not None
         return CpuChoice(
             "float32",
-            f"cpu_kernels: bf16 (config), but a bf16 copy of the weights ({bf16_copy_bytes / 2**30:.1f} GiB) would "
+            f"cpu_kernels: {requested}{' (config)' if requested != 'auto' else ''}, but a bf16 copy of the weights "
+            f"({bf16_copy_bytes / 2**30:.1f} GiB) would "
             f"take more than {DEQUANTIZED_MEMORY_SHARE:.0%} of the {available_bytes / 2**30:.1f} GiB available: "
             "every product on the GGUF blocks",
         )
+    why = (
+        f"cpu_kernels auto: the CPU has {'AMX-BF16' if features.amx_bf16 else 'AVX512-BF16'} (NOTE 3)"
+        if requested == "auto" else "cpu_kernels: bf16 (config)"
+    )
     return CpuChoice(
         "bfloat16",
-        "cpu_kernels: bf16 (config): products of >= 16 rows run bf16 GEMMs on a bf16 copy of the weights made at "
-        "load; decode stays on the GGUF C kernels",
+        f"{why}: products of >= 16 rows run bf16 GEMMs on a bf16 copy of the weights made at load; decode stays on "
+        "the GGUF C kernels",
     )
 
 
@@ -141,12 +142,6 @@ def default_num_threads(features: CPUFeatures, env: Mapping[str, str]) -> int | 
 
 
 def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """The memory this process may take now (MemAvailable, bounded by its cgroup's limit: host_memory.py),
+    None where neither can be read."""
+    return host_memory().available_bytes
