@@ -78,3 +78,23 @@ def hf_greedy_with(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[
             logprobs.append(lp)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return tokens, torch.stack(logprobs)
+
+
+def hf_greedy_cached(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """hf_greedy_with's argmax loop on transformers' own KV cache, the last position's logits only: the same
+    tokens (log-probs within 1e-4 in float32) at a fraction of the cost for a real-sized model, whose
+    full-forward loop re-reads the whole sequence every step."""
+    ids = torch.tensor([prompt])
+    tokens: list[int] = []
+    logprobs = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp)
+            ids = torch.tensor([[token]])
+    return tokens, torch.stack(logprobs)
