@@ -29,18 +29,23 @@ def main() -> int:
     ap.add_argument("--wave", type=int, default=0,
                     help="then profile one prompt wave: this many fresh prompts beside the decoding batch (W1: 16)")
     ap.add_argument("--wave-len", type=int, default=1024)
+    ap.add_argument("--shape", default=None,
+                    help="a model shape of examples/gpu/model_shapes.py (default: the Llama-3.1-8B shape)")
     ap.add_argument("--quantization", default=None,
                     help="dummy packed weights of a checkpoint format, as bench_suite.py's (gptq | awq | gguf-<type>)")
     args = ap.parse_args()
 
     from bench_suite import checkpoint_quantization
+    from model_shapes import id_high, shape_config
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineConfig
 
     qc = checkpoint_quantization(args.quantization)
-    model_config = {**LLAMA_8B_CONFIG, "quantization_config": qc} if qc else LLAMA_8B_CONFIG
-    path = make_model_dir(model_config, tempfile.mkdtemp(), "llama8b")
+    base = shape_config(args.shape) if args.shape else LLAMA_8B_CONFIG
+    model_config = {**base, "quantization_config": qc} if qc else base
+    path = make_model_dir(model_config, tempfile.mkdtemp(), args.shape or "llama8b")
+    high = id_high(args.shape) if args.shape else 128000
     cfg = EngineConfig.from_dict({
         "model": path, "dtype": "bfloat16", "device": "cuda", "attention": {"backend": "triton"},
         "loader": {"name": "dummy"}, "enforce_eager": args.eager,
@@ -56,7 +61,7 @@ def main() -> int:
 
     def add(tag: str) -> None:
         for i in range(args.batch):
-            engine.add_request(f"{tag}{i}", {"prompt_token_ids": torch.randint(100, 128000, (args.prompt_len,), generator=g).tolist()}, params)
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": torch.randint(100, high, (args.prompt_len,), generator=g).tolist()}, params)
 
     llm.generate([{"prompt_token_ids": [5] * 64}] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     add("w")
@@ -108,7 +113,7 @@ def main() -> int:
     if args.wave:  # W1 / W5's prompt waves: fresh prompts beside the decoding batch, one step (eager: no graph)
         for i in range(args.wave):
             engine.add_request(f"wave{i}", {"prompt_token_ids": torch.randint(
-                100, 128000, (args.wave_len,), generator=g).tolist()}, params)
+                100, high, (args.wave_len,), generator=g).tolist()}, params)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as wave_prof:
             t = time.perf_counter()
