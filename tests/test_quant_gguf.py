@@ -33,6 +33,7 @@ from pagedllm.formats.gguf_blocks import GGUFBlocks, dequantize_blocks
 from pagedllm.layers.fused_ops import FusedOp
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
+from pagedllm.plugins.quantization.gguf import batch_gemm
 from pagedllm.plugins.quantization.gguf import native as gguf_native
 from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
 from pagedllm.plugins.quantization.gguf.kernels import (
@@ -107,6 +108,26 @@ def test_native_kernel_against_dequantized(qtype: Q) -> None:
     x = torch.randn(NATIVE_GEMM_ROWS + 3, 160)  # enough rows: the dequantized matrix and a float GEMM
     assert torch.allclose(kernel(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
     assert kernel(x.to(torch.bfloat16)[:1]).dtype == torch.bfloat16  # output in the activation dtype
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_native_kernel_bf16_batch_gemm_equals_torchs_bf16_linear(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # batch_gemm.py NOTE 1: the oneDNN-packed copy gives torch's own bf16 linear's bits at every row count.
+    if packed and not batch_gemm.packed_linear_available():
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    monkeypatch.setattr(batch_gemm, "packed_linear_available", lambda: packed)
+    w = np.random.default_rng(5).standard_normal((96, 160)).astype(np.float32)
+    blocks = quantized(w, Q.Q4_1)
+    kernel: Any = make_kernel(blocks, torch.float32, CPU, cache=False, native=native())
+    kernel.keep_bf16_copy()
+    assert kernel._bf16.packed is packed
+    dense = blocks.dequantize().to(torch.bfloat16)
+    for m in (NATIVE_GEMM_ROWS, 33, 300):
+        x = torch.randn(m, 160)
+        assert kernel.uses_bf16(x)
+        y = kernel(x)
+        assert y.dtype == torch.float32 and torch.equal(y, F.linear(x.to(torch.bfloat16), dense).float())
+    wide = torch.randn(2, 20, 320)[..., ::2]  # [2, 20, 160], not contiguous: rows of both prompts together
+    assert torch.equal(kernel(wide), F.linear(wide.to(torch.bfloat16), dense).float())
 
 
 def test_native_kernel_falls_back_to_aten_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.plugins.quantization.gguf.batch_gemm import Bf16Matrix
+
 GROUP = 32
 _ACT = torch.bfloat16  # NOTE 1
 # NOTE 3: from this many activation rows on (prefill chunks, large batches) NativeKernel dequantizes the whole
@@ -41,10 +43,10 @@ _ACT = torch.bfloat16  # NOTE 1
 # rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
 NATIVE_GEMM_ROWS = 16
 # NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= NATIVE_GEMM_ROWS products run a bf16 GEMM
-# on a bf16 copy of the matrix made once at load (`keep_bf16_copy`; the engine's `cpu_kernels`, chosen in
-# pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per call: torch's bf16 GEMM ran ~2-3.5x
-# its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call dequantization (424 MB of float32
-# writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
+# on a bf16 copy of the matrix made once at load (`keep_bf16_copy`, packed for oneDNN: batch_gemm.py; the
+# engine's `cpu_kernels`, chosen in pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per
+# call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
+# dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
 # costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
 
 
@@ -59,11 +61,11 @@ class NativeKernel(nn.Module):
         self.ggml_type = int(ggml_type)
         self.n, self.k = shape
         self._lib = lib
-        self._bf16: torch.Tensor | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
+        self._bf16: Bf16Matrix | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
 
     def keep_bf16_copy(self) -> None:
         """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4)."""
-        self._bf16 = self.dequantize().to(torch.bfloat16)
+        self._bf16 = Bf16Matrix(self.dequantize())
 
     def uses_bf16(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the bf16 GEMM (NOTE 4)."""
@@ -78,8 +80,7 @@ class NativeKernel(nn.Module):
             return y
         flat = x.reshape(-1, self.k)
         if self._bf16 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
-            y = F.linear(flat.to(torch.bfloat16), self._bf16).to(x.dtype)
-            return y.reshape(*x.shape[:-1], self.n)
+            return self._bf16(flat).reshape(*x.shape[:-1], self.n)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
         if flat.shape[0] >= NATIVE_GEMM_ROWS:
