@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.messages import LogprobsEntry
+from pagedllm.sample.greedy_argmax import greedy_argmax
 from pagedllm.sample.logits_processor import LogitsProcessor, apply_logits_processors
 from pagedllm.sample.metadata import SamplingMetadata
 
@@ -86,7 +87,8 @@ class Sampler:
             # and keeps order and ties), so a greedy batch skips the copy -- a [B, V] write and read: 0.18 ms
             # of a 24 ms decode step at 500 requests x 128k vocab on the H200. The -inf masks (min_tokens,
             # allowed_token_ids, bad_words) are exact too; a logit bias is not, so it takes the float path.
-            return SamplerOutput(sampled_token_ids=self.process(logits, metadata).argmax(dim=-1), logprobs=None)
+            # NOTE(3): a wide vocabulary's argmax runs chunked in one launch (greedy_argmax.py), same index.
+            return SamplerOutput(sampled_token_ids=greedy_argmax(self.process(logits, metadata)), logprobs=None)
         logits = logits.float()
         # Logprobs describe the model's own distribution, before any penalty or filter (vLLM's default).
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, dim=-1)
