@@ -35,6 +35,9 @@ CASES = [
     ("m4_fp16_split_uneven", 4, 64, 768, "float16", False, (16, 128, 1, 5), False),
     ("m1_fp16_gated_split2", 1, 64, 512, "float16", False, (8, 128, 1, 2), True),
     ("m3_fp32_gated_odd", 3, 40, 264, "float32", False, (8, 64, 1, 3), True),
+    # the M = 1 rule's shapes of blocks (dense_gemv NOTE 4): 4 rows x 2048, one step; 512-wide split in 4 of 7 steps
+    ("m1_fp16_rule_wide_one_step", 1, 48, 2048, "float16", False, (4, 2048, 8, 1), False),
+    ("m1_fp32_rule_split4_of_7", 1, 40, 3584, "float32", False, (4, 512, 2, 4), False),
 ]
 
 
@@ -151,7 +154,43 @@ def test_default_blocks_fill_the_gpu() -> None:
             steps = k // bk
             assert 1 <= split <= steps
             assert -(-n // bn) * split >= 4 * 132 or split == steps
-    assert default_blocks(1, 100, 40) == (8, 64, 1, 1)  # a tiny K: one narrow step
+    assert default_blocks(1, 100, 40) == (4, 64, 1, 1)  # a tiny K: one narrow step
+
+
+# The H200 sweep's fastest blocks per linear at M = 1 (examples/gpu/small_gemv_check.py --explore, 2026-12-02,
+# bf16, 24-point grid) where the rule must land, and Llama-8B's gemv_sweep.py choices of 2026-11-29.
+SWEPT = {
+    (3072, 2048): (4, 1024, 4, 1), (2048, 2048): (4, 2048, 8, 1),  # 1B o: 4.08 us, grid best 4.04
+    (2048, 8192): (4, 2048, 8, 1), (6144, 2560): (4, 512, 2, 1), (2560, 4096): (4, 2048, 8, 1),
+    (19456, 2560): (8, 512, 2, 1), (2560, 9728): (4, 512, 2, 4), (151936, 2560): (4, 512, 2, 1),
+    (16384, 2048): (4, 1024, 4, 1), (128256, 2048): (4, 1024, 4, 1),  # within 2 % / 0.1 % of the grid's best
+    (6144, 4096): (4, 1024, 4, 1), (4096, 4096): (4, 1024, 4, 1), (28672, 4096): (4, 2048, 8, 1),
+    (4096, 14336): (4, 1024, 4, 1),
+}
+
+
+def test_single_row_rule_lands_on_the_swept_blocks() -> None:
+    from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_TABLE, choose_blocks
+
+    for (n, k), want in SWEPT.items():
+        assert tuple(choose_blocks(1, n, k, 132)) == want, (n, k)
+    assert GEMV_TABLE[(1, 128256, 4096)] == (16, 1024, 4, 1)  # the 8B head stays pinned
+
+
+def test_single_row_rule_fills_the_sms_or_splits_k() -> None:
+    """Fewer SMs ask for more bytes in flight from each: a 2048-row down projection splits K on a 32-SM part,
+    and every choice keeps NOTE 1's layout (BLOCK_K = 8 x 32 x warps) with unmasked loads where it can."""
+    from pagedllm.plugins.quantization.unquantized import dense_gemv as rule
+
+    for sms in (16, 32, 78, 132, 144):
+        for n, k in ((2048, 2048), (2048, 8192), (2560, 9728), (16384, 2048), (151936, 2560), (1000, 3000)):
+            bn, bk, warps, split = rule.single_row_blocks(n, k, sms)
+            assert bk == 8 * 32 * warps and (k % bk == 0 or k % 512 != 0)
+            programs = -(-n // bn) * split
+            filled = rule.in_flight_bytes(programs, sms, warps, 2 * bn * bk) >= rule.IN_FLIGHT_BYTES
+            assert filled or split == -(-k // bk), (sms, n, k, (bn, bk, warps, split))
+    assert rule.single_row_blocks(2048, 8192, 16).split_k == 1  # 16 SMs: one program each is plenty
+    assert rule.single_row_blocks(2560, 9728, 264).split_k == 7  # twice the SMs: 8 asked, 19 steps -> 7 x 3
 
 
 def test_switch_reaches_linears_and_head_at_construction() -> None:

@@ -7,6 +7,7 @@
     rows M <= GEMV_MAX_M         (prefill and batched decode are matmuls: cuBLAS)
     the shape's table entry      GEMV_TABLE[(M, N, K)]: blocks, or None where the H200 sweep found cuBLAS
                                  faster; a shape outside the table takes default_blocks up to DEFAULT_MAX_M rows
+                                 (M = 1: a rule from the SM count and the shape, NOTE 4)
 
 This module imports no triton: the kernel module is imported on the first GEMV call.
 
@@ -37,8 +38,8 @@ from pagedllm.api.kernels import triton_available
 
 GEMV_MAX_M = 4  # the kernel's accumulators are unrolled for at most this many rows
 DEFAULT_MAX_M = 2  # shapes not in GEMV_TABLE take the GEMV up to this many rows
-# Programs per SM the default split of K aims at: 4-warp programs of ~48 registers, ~10 resident per SM
-# (dense_gemv_kernel NOTE 1); more only shortens each program's stream.
+# Programs per SM the default split of K aims at above M = 1: 4-warp programs of ~48 registers, ~10 resident
+# per SM (dense_gemv_kernel NOTE 1); more only shortens each program's stream.
 PROGRAMS_PER_SM = 8
 
 
@@ -55,11 +56,9 @@ class DenseGemvBlocks(NamedTuple):
 # 2026-11-29 22:07 UTC, Llama-3.1-8B shapes, bf16, CUDA graphs, weights rotated past L2). M = 1: qkv 1.18x,
 # o 1.30x, gate_up 1.04x, down 1.13x, LM head 1.07x cuBLAS's time -- one layer 117.3 -> 106.3 us; M = 4 only
 # o gains. Through the engine W3 went 4.862 -> 4.236 ms/token (SiLU not folded: NOTE 3), tokens equal 64/64.
+# M = 1 takes the rule (NOTE 4), which gives that sweep's qkv, o, gate_up and down blocks; the LM head's
+# (16 rows where the rule says 4: within 1 % on the 1B head) stays pinned.
 GEMV_TABLE: dict[tuple[int, int, int], DenseGemvBlocks | None] = {
-    (1, 6144, 4096): DenseGemvBlocks(4, 1024, 4, 1),
-    (1, 4096, 4096): DenseGemvBlocks(4, 1024, 4, 1),
-    (1, 28672, 4096): DenseGemvBlocks(4, 2048, 8, 1),
-    (1, 4096, 14336): DenseGemvBlocks(4, 1024, 4, 1),
     (1, 128256, 4096): DenseGemvBlocks(16, 1024, 4, 1),
     (2, 6144, 4096): DenseGemvBlocks(2, 1024, 4, 1),
     (2, 4096, 4096): DenseGemvBlocks(4, 1024, 4, 1),
@@ -88,10 +87,78 @@ def split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     return -(-steps // -(-steps // wanted))
 
 
+# NOTE 4 (the M = 1 rule): a single row's GEMV is a stream, so the blocks must (a) keep enough bytes of W in
+# flight on every SM -- Little's law: the read stream's ~31 GB/s per SM (4.13 TB/s / 132 on the H200) times
+# ~1.3 us of loaded latency (assumed, not measured) is ~40 KB; on the H200 sweep the threshold sits between
+# Qwen3-4B's o at 38.8 KB, which gained 3 % from a wider step, and Llama-1B's qkv at 46.5 KB, which lost 3 %
+# -- and (b) spread the programs evenly over the SMs, waves included. The narrowest tile that does both wins
+# (more, shorter programs hide each other's latency); a wider BLOCK_K where it divides K comes next, more rows
+# next, a split of K last (its partials and ticket cost a round trip of L2). Fitted on the H200 sweep of every
+# Llama-3.2-1B and Qwen3-4B linear at M = 1 (examples/gpu/small_gemv_check.py --explore, 2026-12-02): the
+# rule's blocks are the fastest of the 24-point grid or within 2 % of it, and it gives the Llama-8B sweep's
+# qkv / o / gate_up / down blocks. Old blocks against the rule's, one token's GEMVs (same script, A B A B):
+# Llama-3.2-1B 775 -> 685 us (3.19 -> 3.61 TB/s), Qwen3-4B 2389 -> 2176 us, Llama-8B unchanged.
+IN_FLIGHT_BYTES = 40 << 10
+MIN_BALANCE = 0.9  # the busiest SM's programs against the mean (waves rounded up)
+_WARPS_PER_SM, _PROGRAMS_PER_SM_MAX = 64, 32  # Hopper's residency limits per SM
+
+
+def _resident(warps: int) -> int:
+    return min(_PROGRAMS_PER_SM_MAX, _WARPS_PER_SM // warps)
+
+
+def balance(programs: int, sms: int, warps: int) -> float:
+    """The mean SM's share of the programs over the busiest SM's (1.0: even), the last wave's tail included."""
+    slot = sms if programs <= sms * _resident(warps) else sms * _resident(warps)
+    return programs / (slot * -(-programs // slot))
+
+
+def in_flight_bytes(programs: int, sms: int, warps: int, step_bytes: int) -> float:
+    """Bytes of W one SM has in flight: its resident programs' loads of one step each (NOTE 4)."""
+    return min(programs, sms * _resident(warps)) * step_bytes / sms
+
+
+def block_widths(k: int) -> tuple[int, ...]:
+    """BLOCK_K candidates, first choice first: 1024 then 2048 where they divide K, else 512 (unmasked loads,
+    dense_gemv_kernel NOTE 3); a K none divides narrows 1024 down to its size (masked)."""
+    if k % 1024 == 0:
+        return (1024, 2048) if k % 2048 == 0 else (1024,)
+    if k % 512 == 0:
+        return (512,)
+    block_k = 1024
+    while block_k > 8 and block_k >= 2 * k:
+        block_k //= 2
+    return (block_k,)
+
+
+def single_row_blocks(n: int, k: int, sms: int, element_bytes: int = 2) -> DenseGemvBlocks:
+    """The M = 1 blocks by NOTE 4's rule: the first (rows, width) that fills and balances the SMs unsplit,
+    else 4 rows of the widest width with K split (powers of two, whole steps) until the SMs are filled."""
+    widths = block_widths(k)
+    for block_n in (4, 8, 16):
+        for block_k in widths:
+            warps = max(1, block_k // 256)
+            programs = -(-n // block_n)
+            if (balance(programs, sms, warps) >= MIN_BALANCE
+                    and in_flight_bytes(programs, sms, warps, block_n * block_k * element_bytes) >= IN_FLIGHT_BYTES):
+                return DenseGemvBlocks(block_n, block_k, warps, 1)
+    block_n, block_k = 4, widths[-1]
+    warps = max(1, block_k // 256)
+    steps = -(-k // block_k)
+    split = 1
+    while split < steps and in_flight_bytes(-(-n // block_n) * split, sms, warps,
+                                            block_n * block_k * element_bytes) < IN_FLIGHT_BYTES:
+        split *= 2
+    split = min(split, steps)
+    return DenseGemvBlocks(block_n, block_k, warps, -(-steps // -(-steps // split)))
+
+
 def default_blocks(m: int, n: int, k: int, sms: int = 132) -> DenseGemvBlocks:
-    """The starting point the sweep refines: 8 (M = 1), 4 (M = 2) or 2 rows of W per program, BLOCK_K =
-    8 x 32 x warps up to 1024 (dense_gemv_kernel NOTE 1), K split until ~PROGRAMS_PER_SM programs per SM."""
-    block_n = 8 if m == 1 else 4 if m == 2 else 2
+    """M = 1: single_row_blocks. More rows: 4 (M = 2) or 2 rows of W per program, BLOCK_K = 8 x 32 x warps up
+    to 1024 (dense_gemv_kernel NOTE 1), K split until ~PROGRAMS_PER_SM programs per SM."""
+    if m == 1:
+        return single_row_blocks(n, k, sms)
+    block_n = 4 if m == 2 else 2
     block_k = 1024
     while block_k > 8 and block_k >= 2 * k:
         block_k //= 2
@@ -111,10 +178,15 @@ def gemv_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m = x.numel() // k
     if not 1 <= m <= GEMV_MAX_M or not triton_available():
         return None
+    return choose_blocks(m, n, k, _sm_count(x.device.index or 0))
+
+
+def choose_blocks(m: int, n: int, k: int, sms: int) -> DenseGemvBlocks | None:
+    """The table's entry for (m, n, k), else default_blocks up to DEFAULT_MAX_M rows, else None (cuBLAS)."""
     key = (m, n, k)
     if key in GEMV_TABLE:
         return GEMV_TABLE[key]
-    return default_blocks(m, n, k, _sm_count(x.device.index or 0)) if m <= DEFAULT_MAX_M else None
+    return default_blocks(m, n, k, sms) if m <= DEFAULT_MAX_M else None
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool) -> torch.Tensor:
