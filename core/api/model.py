@@ -28,6 +28,7 @@ from pagedllm.layers.moe import FusedMoE, fused_moe, softmax_topk, topk_softmax
 from pagedllm.layers.moe_reference import fused_moe_reference
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.pipeline import IntermediateTensors, PPMissingLayer, is_pp_missing, pp_missing_prefixes
+from pagedllm.layers.qk_norm import qk_norm_rope
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.weight_utils import (
     StackedMapping,
@@ -77,6 +78,7 @@ __all__ = [
     "load_weights_by_name",
     "pp_missing_prefixes",
     "process_weights_after_loading",
+    "qk_norm_rope",
     "set_weight_attrs",
     "softmax_topk",
     "topk_softmax",

@@ -1,7 +1,7 @@
 """The Llama-style decoder blocks most open models reuse: GQA attention with RoPE, and the SwiGLU MLP.
 
 Llama, Qwen2/3, Gemma and hybrid models (Bamba) build their layers from these; a model plugin subclasses a
-block to change one piece (`LlamaAttention.qk_norm` is Qwen3's hook) rather than copying it.
+block to change one piece (`LlamaAttention.qk_norm_rope` is Qwen3's hook) rather than copying it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Fused qkv projection, RoPE, paged attention, output projection. `qk_norm` is the Qwen3 hook."""
+    """Fused qkv projection, RoPE, paged attention, output projection. `qk_norm_rope` is the Qwen3 hook."""
 
     def __init__(
         self,
@@ -151,10 +151,18 @@ class LlamaAttention(nn.Module):
         """Normalise q and k before RoPE; Llama does nothing."""
         return q, k
 
+    def qk_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`qk_norm`, then RoPE. A model whose norm and rotation run as one kernel (Qwen3's per-head norms:
+        layers/qk_norm.py) overrides this instead of `qk_norm`."""
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.qk_norm_rope(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))

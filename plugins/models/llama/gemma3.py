@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pagedllm.api.model import GemmaRMSNorm, ModelBuildContext, RotaryEmbedding, head_dim_of
+from pagedllm.api.model import GemmaRMSNorm, ModelBuildContext, RotaryEmbedding, head_dim_of, qk_norm_rope
 from pagedllm.plugins.models.llama.gemma2 import (
     Gemma2Attention,
     Gemma2DecoderLayer,
@@ -55,11 +55,11 @@ class Gemma3Attention(Gemma2Attention):
     def attn_soft_cap(self, cfg: Any) -> float | None:
         return None  # transformers' Gemma3Attention never passes attn_logit_softcapping to the kernel
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = q.shape[0]
-        q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, self.q_size)
-        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, self.kv_size)
-        return q, k
+    def qk_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both norms and the rotation in one launch on CUDA, in place in the qkv output.
+        return qk_norm_rope(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb, self.head_dim)
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

@@ -6,12 +6,12 @@ from typing import ClassVar
 
 import torch
 
-from pagedllm.api.model import LlamaAttention, ModelBuildContext, RMSNorm, RotaryEmbedding
+from pagedllm.api.model import LlamaAttention, ModelBuildContext, RMSNorm, RotaryEmbedding, qk_norm_rope
 from pagedllm.plugins.models.llama.model import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    """Adds `q_norm` / `k_norm` ([head_dim] weights shared by all heads) applied to each head."""
+    """Adds `q_norm` / `k_norm` ([head_dim] weights shared by all heads) applied to each head before RoPE."""
 
     def __init__(self, ctx: ModelBuildContext, rotary: RotaryEmbedding, layer_idx: int, prefix: str) -> None:
         bias = bool(getattr(ctx.hf_config, "attention_bias", False))
@@ -20,11 +20,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype)
         self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype)
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = q.shape[0]
-        q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)).reshape(tokens, self.q_size)
-        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim)).reshape(tokens, self.kv_size)
-        return q, k
+    def qk_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both norms and the rotation in one launch on CUDA, in place in the qkv output.
+        return qk_norm_rope(positions, q, k, self.q_norm, self.k_norm, self.rotary_emb, self.head_dim)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
