@@ -29,8 +29,8 @@ def qk_norm_rope(
 
     Use the returned tensors. Where q_norm's mode fuses (CUDA, or 'always' under the interpreter) one kernel
     normalises q and k in place (views into the qkv output) and, when `rotary` fuses and rotates whole heads in
-    neox style, rotates them in the same launch; the result equals the three layers' kernels run one after
-    another (qk_norm_kernel.py NOTE 2). Elsewhere the three layers run as they are, bit for bit as before.
+    neox style, rotates them in the same launch, rounding where the three layers' kernels round
+    (qk_norm_kernel.py NOTE 2). Elsewhere the three layers run as they are, bit for bit as before.
     """
     if _fusable(q, k, q_norm, k_norm):
         from pagedllm.layers.qk_norm_kernel import qk_norm_in_place
