@@ -49,6 +49,11 @@ class AttentionSelectionContext:
     sinks: bool = False
     # Chunked local attention layers (AttentionLayerConfig.attention_chunk_size; Llama 4).
     chunked_local: bool = False
+    # Whether the model promises its float reference's numerics (a dense model: greedy tokens equal to
+    # transformers' in float32). False for a quantized model (the engine's quantization method is not
+    # `none`, e.g. a GGUF file kept quantized), whose weights already differ from any float reference: a
+    # backend that sums in another order than torch may then take float32 too.
+    exact_reference: bool = True
 
 
 # A KV manager's check() receives the spec of the KV-cache group it would hold (frozen dataclasses); only

@@ -198,6 +198,38 @@ def test_threads_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(impl.forward(q, k, v, cache.clone(), md), one)
 
 
+def test_a_lone_float32_decode_runs_the_quantized_models_own_kernel() -> None:
+    """With a quantized model's C ops (the gguf method's), a lone float32 decode runs their decode kernel -- the
+    one a model's one-token plan calls -- bit for bit, and says so to the plan; a batch of decodes runs
+    paged_attention.c as without them. Both within float32 rounding of float64 attention."""
+    from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("no fused CPU ops")
+    layer = AttentionLayerConfig(9, 64, 3, 0.125, cpu_ops=ops)
+    with_ops = CpuAttentionBackend.make_impl(layer)
+    plain = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125))
+    assert with_ops.c_decode_params(ops) == (0.125, 0, 0.0) and plain.c_decode_params(ops) is None
+    for contexts in ([70], [70, 33, 120]):
+        queries = [1] * len(contexts)
+        common, q, k, v, cache, tables = _step(contexts, queries, torch.float32, seed=5)
+        md = CpuAttentionBackend.build_metadata(common)
+        lone = with_ops.c_decode_step(q, k, v, cache, md)
+        got_cache, ref_cache = cache.clone(), cache.clone()
+        got = with_ops.forward(q, k, v, got_cache, md)
+        if len(contexts) == 1:
+            assert lone is not None
+            ref = ops.decode_attention(q, k, v, ref_cache, lone.slot_mapping, lone.block_table, lone.seq_lens,
+                                       0.125, None, None)
+        else:
+            assert lone is None and md.lone_decode is None
+            ref = plain.forward(q, k, v, ref_cache, md)
+        assert torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
+        exact = _float64_attention(q, got_cache, tables, contexts, queries, 0.125, None, None)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_rows_are_zero_and_bad_slots_are_refused() -> None:
     common, q, k, v, cache, _ = _step([10, 0], [1, 5], torch.bfloat16, seed=1)
     impl = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125))
@@ -225,8 +257,8 @@ def _ctx(**kw: Any) -> AttentionSelectionContext:
     ("change", "reason"),
     [
         ({"device_type": "cuda", "compute_capability": (9, 0)}, "CPU tensors only"),
-        ({"dtype": "float32"}, "float32 stays on the exact torch backend"),
-        ({"dtype": "float16"}, "bfloat16 models only"),
+        ({"dtype": "float32"}, "a dense float32 model stays on the exact torch backend"),
+        ({"dtype": "float16"}, "bfloat16 and float32 only"),
         ({"kv_cache_dtype": "fp8_e4m3"}, "kv cache dtype fp8_e4m3"),
         ({"sinks": True}, "no attention sinks"),
         ({"chunked_local": True}, "no chunked local attention"),
@@ -235,6 +267,7 @@ def _ctx(**kw: Any) -> AttentionSelectionContext:
 def test_check_refuses_what_it_does_not_implement(change: dict[str, Any], reason: str) -> None:
     assert _check(_ctx()) == []
     assert _check(_ctx(sliding_window=True, logits_soft_cap=True, kv_cache_dtype="bfloat16")) == []
+    assert _check(_ctx(dtype="float32", exact_reference=False)) == []  # a quantized float32 model
     assert any(reason in r for r in _check(_ctx(**change)))
 
 
@@ -260,7 +293,7 @@ def test_a_bf16_cpu_engine_picks_it_and_float32_keeps_torch(
     assert main([*argv, "float32"]) == 0
     out = capsys.readouterr().out
     assert "attention_backend: torch (" in out
-    assert "  - cpu: bfloat16 models only (dtype float32; float32 stays on the exact torch backend)" in out
+    assert "  - cpu: a dense float32 model stays on the exact torch backend (quantized float32 ones run here)" in out
 
 
 def test_bf16_greedy_equals_transformers_bf16(tiny_llama: str) -> None:

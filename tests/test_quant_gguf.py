@@ -33,6 +33,7 @@ from pagedllm.formats.gguf_blocks import GGUFBlocks, dequantize_blocks
 from pagedllm.layers.fused_ops import FusedOp
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
+from pagedllm.plugins.attention.cpu.paged_attention import paged_attention
 from pagedllm.plugins.quantization.gguf import batch_gemm
 from pagedllm.plugins.quantization.gguf import native as gguf_native
 from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
@@ -108,6 +109,7 @@ def test_native_kernel_against_dequantized(qtype: Q) -> None:
     x = torch.randn(NATIVE_GEMM_ROWS + 3, 160)  # enough rows: the dequantized matrix and a float GEMM
     assert torch.allclose(kernel(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
     assert kernel(x.to(torch.bfloat16)[:1]).dtype == torch.bfloat16  # output in the activation dtype
+
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_native_kernel_bf16_batch_gemm_equals_torchs_bf16_linear(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,6 +261,9 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
     assert uses_gguf(kept) and not uses_gguf(dense)
     # The C norm/rotary/activation/attention ride along with gguf_cpu.c; the dense path stays torch's.
     assert uses_cpu_ops(kept) == (cpu_kernel != "aten" and cpu_ops() is not None) and not uses_cpu_ops(dense)
+    # Kept quantized, float32 attention runs the C `cpu` backend (no exact-transformers promise); dense stays torch.
+    attention = [e.parts.selections["attention"].winner.name for e in (kept, dense)]
+    assert attention == ["cpu" if paged_attention() is not None else "torch", "torch"]
     assert_same_greedy_up_to_near_tie(greedy_output(kept, prompt, 16), greedy_output(dense, prompt, 16))
 
 

@@ -328,7 +328,8 @@ def _select_components(
     dtype = resolve_dtype(config.dtype, hf_config, device, quant_sel.winner.name)
     if device.type == "cpu":
         notes = (resolve_cpu_dtype(config.dtype, quant_sel.winner.name, cpu_features()).reason, *notes)
-    attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype)
+    dense = quant_sel.winner.name == "none"
+    attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense)
     backend = attention_sel.load()
     configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
     if configure is not None:
@@ -369,7 +370,7 @@ def _kernel_options(config: EngineConfig, quant_config: Any, device: torch.devic
 
 def _select_attention(
     config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, dense: bool,
 ) -> Selection:
     num_attention_heads = getattr(hf_config, "num_attention_heads", None)
     if num_attention_heads:
@@ -393,6 +394,8 @@ def _select_attention(
         chunked_local=bool(getattr(hf_config, "attention_chunk_size", None)),
         # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
         cuda_graphs=device.type == "cuda" and not config.enforce_eager,
+        # Only a dense model promises its float reference's numerics (AttentionSelectionContext.exact_reference).
+        exact_reference=dense,
     )
     return select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
 

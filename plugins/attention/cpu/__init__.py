@@ -1,4 +1,5 @@
-"""Registers the `cpu` attention backend: paged attention in C for bf16 CPU models (backend.py, paged_attention.c)."""
+"""Registers the `cpu` attention backend: paged attention in C for bf16 and quantized float32 CPU models
+(backend.py, paged_attention.c)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
     reasons = []
     if ctx.device_type != "cpu":
         reasons.append(f"CPU tensors only (device {ctx.device_type})")
-    if ctx.dtype != "bfloat16":
-        # NOTE: float32 CPU models promise greedy tokens identical to transformers; the C kernel's sums run in
-        # another order than torch's, and the context cannot tell a GGUF model kept quantized (which promises
-        # no such thing) from a dense one, so float32 stays on `torch`. The kernel itself takes float32.
-        reasons.append(f"bfloat16 models only (dtype {ctx.dtype}; float32 stays on the exact torch backend)")
+    if ctx.dtype == "float32" and ctx.exact_reference:
+        # NOTE: a dense float32 CPU model promises greedy tokens identical to transformers, and the C kernel's
+        # sums run in another order than torch's, so it stays on `torch`. A quantized one (the default GGUF
+        # kept quantized) promises no such thing: its weights already differ from the float model's.
+        reasons.append("a dense float32 model stays on the exact torch backend (quantized float32 ones run here)")
+    elif ctx.dtype not in ("bfloat16", "float32"):
+        reasons.append(f"bfloat16 and float32 only (dtype {ctx.dtype})")
     if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
         reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (the model dtype only)")
     if ctx.sinks:
@@ -43,5 +46,6 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
 
 @hookimpl
 def register_attention_backends(register: RegisterAttentionBackend) -> None:
-    # Above `torch` (0), so a bf16 CPU model picks it; the GPU backends' checks refuse the CPU anyway.
-    register("cpu", _load, priority=10, check=_check, description="paged attention in C for bf16 CPU models")
+    # Above `torch` (0), so a bf16 or quantized float32 CPU model picks it; the GPU backends refuse the CPU anyway.
+    register("cpu", _load, priority=10, check=_check,
+             description="paged attention in C for bf16 and quantized float32 CPU models")

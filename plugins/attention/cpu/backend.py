@@ -15,12 +15,17 @@ backend 12.9 ms (its context gather and SDPA, for ~12 M multiply-adds), this ker
 of 32..256 tokens 12.9 ms against 4.4 ms, so prefill runs here too rather than in SDPA.
 NOTE 2: the metadata (int32 and int64 tables, contiguous) is made once per step and read by every layer; the
 per-layer call passes only ints to ctypes (paged_attention.py NOTE 1).
+NOTE 3: a float32 model kept quantized brings its own C decode attention (AttentionLayerConfig.cpu_ops, the gguf
+method's), which a model's one-token plan runs inside its one C call a step (the llama plugin's CpuDecodePlan,
+through `c_decode_params` / `c_decode_step`). A step of one lone decode therefore runs that kernel here too, so
+the plan and the modules give the same bits whichever runs; every other step (a batch of decodes, prompts,
+chunks) runs paged_attention.c, threaded, 16 lanes wide.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -44,6 +49,9 @@ class CpuAttentionMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32, rows contiguous
     slot_mapping: torch.Tensor  # [T] int64
     rows: int  # query rows that belong to requests (query_start_loc[B]); rows past it are padding
+    # The step is one request's one decode token and no padding row (NOTE 3): `common` with the C call's tables,
+    # else None.
+    lone_decode: CommonAttentionMetadata | None = None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,6 +83,7 @@ class CpuAttentionImpl:
         self.scale = float(layer.scale)
         self.window = int(layer.sliding_window or 0)
         self.soft_cap = float(layer.logits_soft_cap or 0.0)
+        self.cpu_ops: Any = layer.cpu_ops  # a quantized float32 model's own C kernels, or None (NOTE 3)
 
     def forward(
         self,
@@ -95,6 +104,12 @@ class CpuAttentionImpl:
             raise ValueError("the cpu attention backend needs CPU tensors and a contiguous KV cache")
         hs = self.head_size
         query, key, value = _rows_of_heads(query, hs), _rows_of_heads(key, hs), _rows_of_heads(value, hs)
+        lone = self.c_decode_step(query, key, value, kv_cache, metadata)
+        if lone is not None:
+            return cast(torch.Tensor, self.cpu_ops.decode_attention(
+                query, key, value, kv_cache, lone.slot_mapping, lone.block_table, lone.seq_lens,
+                self.scale, self.window or None, self.soft_cap or None,
+            ))
         _, num_blocks, block_size, _, _ = kv_cache.shape
         out = torch.empty(query.shape[0], self.num_heads, hs, dtype=dtype)
         if metadata.rows < query.shape[0]:
@@ -114,6 +129,24 @@ class CpuAttentionImpl:
             raise ValueError(f"cpu_paged_attention: a slot or block id outside the {num_blocks}-block cache")
         return out
 
+    def c_decode_params(self, ops: Any) -> tuple[float, int, float] | None:
+        """(scale, window or 0, soft cap or 0) when a lone decode of this layer runs `ops`' C decode attention
+        (NOTE 3; AttentionImpl's optional CPU decode members), None otherwise."""
+        if self.cpu_ops is None or self.cpu_ops is not ops:
+            return None
+        return self.scale, self.window, self.soft_cap
+
+    def c_decode_step(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> CommonAttentionMetadata | None:
+        """The step's common metadata, with the tables the C decode kernel reads, when this step's attention is
+        `cpu_ops`' decode kernel (a lone float32 decode, NOTE 3); None when it runs paged_attention.c."""
+        if self.cpu_ops is None or type(metadata) is not CpuAttentionMetadata or metadata.lone_decode is None:
+            return None
+        if query.shape[0] != 1 or not query.dtype == key.dtype == value.dtype == kv_cache.dtype == torch.float32:
+            return None
+        return metadata.lone_decode
+
 
 class CpuAttentionBackend:
     """Paged attention in C for CPU tensors (bf16 or float32): decodes and chunked prefill, GQA, sliding window,
@@ -130,13 +163,19 @@ class CpuAttentionBackend:
     def build_metadata(common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         """The tables as the C call reads them, once per step (NOTE 2)."""
         qsl = _as(common.query_start_loc_cpu, torch.int32)
+        seq_lens, block_table = _as(common.seq_lens_cpu, torch.int32), _as(common.block_table, torch.int32)
+        slot_mapping = _as(common.slot_mapping, torch.int64)
+        rows = int(qsl[common.num_reqs])
+        lone = common.num_reqs == 1 and rows == 1 == common.num_actual_tokens == slot_mapping.shape[0]
         return CpuAttentionMetadata(
             common=common,
             query_start_loc=qsl,
-            seq_lens=_as(common.seq_lens_cpu, torch.int32),
-            block_table=_as(common.block_table, torch.int32),
-            slot_mapping=_as(common.slot_mapping, torch.int64),
-            rows=int(qsl[common.num_reqs]),
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            rows=rows,
+            lone_decode=replace(common, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping)
+            if lone else None,
         )
 
     @staticmethod
