@@ -29,19 +29,22 @@ def packed_linear_available() -> bool:
 
 
 class Bf16Matrix:
-    """W [N, K] in bf16 for y = x @ W^T with float32 x and y (NOTE 1 on its layout)."""
+    """W [N, K] in bf16 for y = x @ W^T (NOTE 1 on its layout); y in `out_dtype`, the model's activations."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> None:
         self.n, self.k = weight.shape
+        self.out_dtype = out_dtype
         bf16 = weight.to(torch.bfloat16).contiguous()
         self.packed = packed_linear_available()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(bf16, _PACK_ROWS_HINT) if self.packed else bf16
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (any float dtype) -> [M, N] in x's dtype."""
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> [M, N] bf16, as the GEMM writes it (for a caller that takes bf16)."""
         xb = x.to(torch.bfloat16)
         if self.packed:
-            y = torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "")
-        else:
-            y = F.linear(xb, self.weight)
-        return y.to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "")
+        return F.linear(xb, self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype; a bf16 x is multiplied as it is) -> [M, N] in `out_dtype`."""
+        return self.product(x).to(self.out_dtype)

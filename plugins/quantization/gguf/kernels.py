@@ -63,13 +63,24 @@ class NativeKernel(nn.Module):
         self._lib = lib
         self._bf16: Bf16Matrix | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
 
-    def keep_bf16_copy(self) -> None:
-        """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4)."""
-        self._bf16 = Bf16Matrix(self.dequantize())
+    def keep_bf16_copy(self, out_dtype: torch.dtype = torch.float32) -> None:
+        """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4), whose outputs
+        then come back in `out_dtype` (the model's activations) whatever x's dtype."""
+        self._bf16 = Bf16Matrix(self.dequantize(), out_dtype)
+
+    @property
+    def has_bf16_copy(self) -> bool:
+        return self._bf16 is not None
 
     def uses_bf16(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the bf16 GEMM (NOTE 4)."""
         return self._bf16 is not None and x.numel() // self.k >= NATIVE_GEMM_ROWS
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T [..., N] as the bf16 GEMM writes it (bf16), or None where forward(x) would not run it."""
+        if self._bf16 is None or x.numel() // self.k < NATIVE_GEMM_ROWS:
+            return None
+        return self._bf16.product(x.reshape(-1, self.k)).reshape(*x.shape[:-1], self.n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] < NATIVE_GEMM_ROWS and x.dtype == torch.float32 and x.is_contiguous():
