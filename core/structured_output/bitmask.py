@@ -75,8 +75,12 @@ class DeferredBitmask:
         `sample_rows` order) to the grammars on the manager's worker thread, and fill the next step's rows
         there too (manager.py NOTE 4). Returns the join, which the runner calls before it hands this step's
         output back; None when the work stays with `resolve` (no grammar sampled, or a backend without
-        GIL-free batch calls)."""
-        return self._ahead(req_ids, sample_rows, fetch) if self._ahead is not None else None
+        GIL-free batch calls). The runner's last call on this step's masks: it lets go of the step's plan, so
+        that the step the engine core keeps for its output does not keep its requests' matchers alive after
+        they finished."""
+        ahead, self._ahead = self._ahead, None
+        self._fill = _resolved
+        return ahead(req_ids, sample_rows, fetch) if ahead is not None else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_none, ())
@@ -84,6 +88,10 @@ class DeferredBitmask:
 
 def _none() -> None:
     return None
+
+
+def _resolved(previous: Any) -> GrammarBitmask:
+    raise RuntimeError("a DeferredBitmask is resolved once, before its accept_ahead")
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[int], mask_rows: list[int]) -> None:

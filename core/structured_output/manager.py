@@ -132,15 +132,22 @@ class StructuredOutputManager:
         else:
             self._compiled.move_to_end(key)
 
+        # NOTE: a future keeps its done callbacks for good (concurrent.futures never clears the list), and the
+        # cached compilation lives as long as the cache: a callback holding `result` would keep the matcher of
+        # every request that waited for this compile alive after the request finished (with xgrammar's
+        # unbounded rollback history, every token it accepted). So the callback lets go of it once it ran.
+        waiting = [result]
+
         def make(done: Future[Any]) -> None:
+            target = waiting.pop()
             exc = done.exception()
             if exc is not None:
-                result.set_exception(exc)
+                target.set_exception(exc)
                 return
             try:
-                result.set_result(backend.make_grammar(done.result()))
+                target.set_result(backend.make_grammar(done.result()))
             except Exception as make_exc:
-                result.set_exception(make_exc)
+                target.set_exception(make_exc)
 
         compiled.add_done_callback(make)
         return result
