@@ -121,11 +121,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[
 
 def forbidden_by_shifts(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, vocab] bool, True = forbidden, with elementwise shifts on `mask`'s device (an accelerator's
-    path: one fused-able elementwise pass, no host work)."""
+    path: no host work). As on the CPU (`_forbidden_cpu`), the words are inverted first (1/32 of the
+    elements) and their bytes unpacked by eight shifts into 0/1 bytes read as bools without a copy: shifting
+    each int32 word by 32 built a [rows, width, 32] int32 intermediate twice (>>, then & 1) and then compared
+    it, ~5x the bytes (at 256 rows of a 128k vocabulary, ~560 MB of device traffic a step against ~110 MB).
+    Little-endian words put token 32 w + 8 b + j in bit j of byte b of word w."""
     shifts = _SHIFTS.get(mask.device)
     if shifts is None:
-        shifts = _SHIFTS[mask.device] = torch.arange(32, dtype=torch.int32, device=mask.device)
-    return ((mask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab] == 0
+        shifts = _SHIFTS[mask.device] = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    words = torch.bitwise_not(mask).view(torch.uint8)
+    bits = (words.unsqueeze(-1) >> shifts).bitwise_and_(1)
+    return bits.flatten(1)[:, :vocab].view(torch.bool)
 
 
 def _forbidden_cpu(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
