@@ -98,7 +98,7 @@ def test_native_kernel_against_dequantized(qtype: Q) -> None:
     assert isinstance(kernel, NativeKernel) and kernel.blocks.data_ptr() == blocks.data.data_ptr()  # no copy
     ids = torch.tensor([0, 1, 17, 63, 64, 79, 1])
     assert torch.equal(kernel.rows(ids), dense[ids])  # decoded exactly as dequantize_blocks does
-    for m in (1, 2, 3, 5, 9):  # tiles of 4 rows and every remainder
+    for m in (1, 2, 3, 5, 7, 9, 12, 14):  # tiles of 4 (8 with AVX512-VL: NOTE 7) rows and every remainder
         x = torch.randn(m, 160) * torch.logspace(-3, 1, 160)  # blocks with small values next to large ones
         y, ref = kernel(x), (x.double() @ dense.double().T)
         # gguf_cpu.c NOTE 2: each 32-block of x rounded to int16, |error| <= max|x_block| / 65534 per value,

@@ -26,6 +26,11 @@
  * process holds arrives a scheduler slice later (milliseconds, against ~50-200 us of work): two threads then
  * ran SmolLM2 ~10x slower than one. So the master times its wait at the end of the region; a wait longer
  * than STALL_NS and than its own work sends the next BACKOFF_CALLS calls to one thread, then it tries again.
+ * NOTE 7: where the CPU has AVX512-VL (32 vector registers) a block's expansion feeds up to 8 activation rows,
+ * and with AVX512-VNNI the second half of its integer dot product is a vpdpwssd into the first (the add
+ * fused); the int32 sums are exact either way, so every output keeps its bits. SmolLM2-shaped Q4_1 layers,
+ * weights from memory, one thread, thread CPU time (2026-12-02, Zen 4, interleaved with the previous build):
+ * 1 row 0.170 -> 0.161 ms a layer, 4 rows 0.425 -> 0.391, 8 rows 0.823 -> 0.722, 15 rows 1.618 -> 1.456.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,7 +47,11 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
 #define QK 32
+#if defined(__AVX512VL__)
+#define TILE_M 8 /* NOTE 7 */
+#else
 #define TILE_M 4
+#endif
 #define STALL_NS 500000L   /* NOTE 6 */
 #define BACKOFF_CALLS 1000 /* ~8 tokens of SmolLM2 (121 calls each) */
 #define CHUNKS_PER_THREAD 8
@@ -139,6 +148,13 @@ INLINE void expand_block(const int type, const uint8_t *blk, __m256i *w0, __m256
     *w1 = _mm256_cvtepi8_epi16(hi);
 }
 
+/* The block's integer dot product, 8 lanes of 4 products each (NOTE 7): exact in int32 either way. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT32(W0, X0, W1, X1) _mm256_dpwssd_epi32(_mm256_madd_epi16(W0, X0), W1, X1)
+#else
+#define DOT32(W0, X0, W1, X1) _mm256_add_epi32(_mm256_madd_epi16(W0, X0), _mm256_madd_epi16(W1, X1))
+#endif
+
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -167,8 +183,8 @@ INLINE void row_tile(const int type, const uint8_t *row, int64_t nb, const qrow 
         expand_block(type, blk, &w0, &w1);                                                                     \
         for (int64_t m = 0; m < mt; m++) {                                                                     \
             const int16_t *qx = x[m].q + (B) * QK;                                                             \
-            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)qx)),       \
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(qx + 16)))); \
+            __m256i p = DOT32(w0, _mm256_loadu_si256((const __m256i *)qx),                                     \
+                              w1, _mm256_loadu_si256((const __m256i *)(qx + 16)));                             \
             acc[m][SLOT] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x[m].scale[B]), acc[m][SLOT]); \
             if (type == T_Q4_1) mterm[m][SLOT] += mw * x[m].sum[B];                                            \
         }                                                                                                      \
@@ -221,6 +237,12 @@ INLINE void matmul_rows(const int type, int64_t n0, int64_t n1, const uint8_t *w
         case 1: row_tile(type, row, nb, x + m0, 1, y + m0 * N + n, N); break;
         case 2: row_tile(type, row, nb, x + m0, 2, y + m0 * N + n, N); break;
         case 3: row_tile(type, row, nb, x + m0, 3, y + m0 * N + n, N); break;
+#if TILE_M > 4
+        case 4: row_tile(type, row, nb, x + m0, 4, y + m0 * N + n, N); break;
+        case 5: row_tile(type, row, nb, x + m0, 5, y + m0 * N + n, N); break;
+        case 6: row_tile(type, row, nb, x + m0, 6, y + m0 * N + n, N); break;
+        case 7: row_tile(type, row, nb, x + m0, 7, y + m0 * N + n, N); break;
+#endif
         default: break;
         }
     }
