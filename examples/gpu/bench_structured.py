@@ -109,8 +109,9 @@ def prompts(tokenizer_dir: str, n: int) -> list[list[int]]:
 class Engine:
     """The two engines behind one generate(prompt ids, mode) call."""
 
-    def __init__(self, name: str, path: str, max_tokens: int, device: str) -> None:
+    def __init__(self, name: str, path: str, max_tokens: int, device: str, trace: bool = False) -> None:
         self.name, self.max_tokens = name, max_tokens
+        self.trace: Any = None
         t0 = time.perf_counter()
         if name == "vllm":
             from vllm import LLM, SamplingParams
@@ -128,9 +129,13 @@ class Engine:
             cfg = EngineConfig.from_dict({
                 "model": path, "dtype": "bfloat16" if device == "cuda" else "float32", "device": device, "seed": 0,
                 "loader": {"name": "dummy"},
-                "kv_cache": {"gpu_memory_utilization": 0.9}, "scheduler": {"max_num_seqs": 1024},
+                "kv_cache": {"gpu_memory_utilization": 0.9}, "scheduler": {"max_num_seqs": 1024, "async_scheduling": True},
                 "structured_outputs": {"backend": "xgrammar"}})
             self.llm = LLM(config=cfg)
+            if trace:
+                from grammar_trace import GrammarTrace
+
+                self.trace = GrammarTrace(self.llm)
             so = StructuredOutputsParams(json=SCHEMA, backend="xgrammar", disable_any_whitespace=True)
             self.wrap = lambda ids: {"prompt_token_ids": ids}
         self.startup_s = round(time.perf_counter() - t0, 1)
@@ -141,14 +146,20 @@ class Engine:
         }
 
     def run(self, ids: list[list[int]], mode: str) -> dict[str, Any]:
+        if self.trace is not None:
+            self.trace.start_run()
         t0 = time.perf_counter()
         outs = self.llm.generate([self.wrap(x) for x in ids], self.params[mode], use_tqdm=False)
         wall = time.perf_counter() - t0
         lens = [len(o.outputs[0].token_ids) for o in outs]
         reasons = [str(o.outputs[0].finish_reason) for o in outs]
-        return {"wall_s": wall, "output_tokens": sum(lens), "tok_s": sum(lens) / wall,
-                "short": sum(n != self.max_tokens for n in lens), "finish": sorted(set(reasons)),
-                "first_ids": list(outs[0].outputs[0].token_ids[:48])}
+        result = {"wall_s": wall, "output_tokens": sum(lens), "tok_s": sum(lens) / wall,
+                  "short": sum(n != self.max_tokens for n in lens), "finish": sorted(set(reasons)),
+                  "first_ids": list(outs[0].outputs[0].token_ids[:48])}
+        if self.trace is not None:
+            result["trace"] = self.trace.report()
+            print(f"[trace N={len(ids)} {mode}] {result['tok_s']:.0f} tok/s {json.dumps(result['trace'])}", flush=True)
+        return result
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,7 +168,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     path = model_dir(args.tokenizer, args.model_dir, args.tiny)
     levels = [int(x) for x in args.concurrency.split(",")]
     all_ids = prompts(args.tokenizer, max(levels))
-    engine = Engine(args.engine, path, args.max_tokens, args.device)
+    engine = Engine(args.engine, path, args.max_tokens, args.device, args.trace)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     result: dict[str, Any] = {"engine": args.engine, "startup_s": engine.startup_s, "max_tokens": args.max_tokens,
                               "prompt_tokens_mean": statistics.mean(len(x) for x in all_ids), "levels": {}}
@@ -170,6 +181,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs[mode].append(engine.run(ids, mode))
         level = {mode: {"tok_s": statistics.median(r["tok_s"] for r in rs),
                         "runs_tok_s": [round(r["tok_s"], 1) for r in rs],
+                        **({"traces": [r["trace"] for r in rs]} if args.trace else {}),
                         "short_requests": max(r["short"] for r in rs), "finish": rs[-1]["finish"]}
                  for mode, rs in runs.items()}
         level["warmup_s"] = {mode: round(w["wall_s"], 2) for mode, w in warm.items()}
@@ -217,6 +229,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", help="pagedllm only (cpu: with --tiny, to try the script)")
     ap.add_argument("--tiny", action="store_true", help="a two-layer model with the 8B vocabulary")
+    ap.add_argument("--trace", action="store_true", help="pagedllm only: per run, the grammar work's time per "
+                    "step and the state left behind (grammar_trace.py)")
     ap.add_argument("--save-tokenizer", metavar="DIR", default=None)
     ap.add_argument("--table", nargs="+", metavar="JSON", default=None)
     args = ap.parse_args()

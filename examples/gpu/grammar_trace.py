@@ -1,0 +1,101 @@
+"""--trace for bench_structured.py (pagedllm only): where a run's grammar time goes, and what it leaves behind.
+
+Per run: milliseconds per step of the worker's task (accept + next fill), of the runner's wait at its join (the
+part of it on the step's critical path), of the engine thread's own grammar work (deferred plan, resolve, apply,
+advance) and of the engine's whole step; then what the engine holds once the run's requests are done (grammars,
+pre-accepted tokens, requests awaiting a grammar, matchers alive, the cached compilations' callbacks), the
+process RSS and the GC collections during the run. A workload that slows down repeat after repeat shows here
+as a growing number: a state size that grows is what accumulates; a time per step that grows says where.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+
+class GrammarTrace:
+    def __init__(self, llm: Any) -> None:
+        from pagedllm.engine.engine_core import EngineCore
+        from pagedllm.plugins.structured_output.xgrammar.backend import XgrammarBackend
+        from pagedllm.structured_output.ahead import AheadWorker
+        from pagedllm.structured_output.bitmask import GrammarBitmask
+        from pagedllm.structured_output.manager import StructuredOutputManager
+
+        self.core = llm.engine.core
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.collections: Counter[int] = Counter()
+        self.matchers: list[weakref.ref[Any]] = []
+        for name in ("_accept_and_fill", "deferred", "_resolve", "advance"):
+            self._time(StructuredOutputManager, name, name.strip("_"))
+        self._time(GrammarBitmask, "apply", "apply")
+        self._time(EngineCore, "step", "engine step")
+        start, make = AheadWorker.start, XgrammarBackend.make_grammar
+
+        def timed_start(worker: Any, task: Callable[[], Any]) -> Callable[[], Any]:
+            join = start(worker, task)
+
+            def timed_join() -> Any:
+                t = time.perf_counter()
+                try:
+                    return join()
+                finally:
+                    self._add("join wait", time.perf_counter() - t)
+
+            return timed_join
+
+        def recorded_make(backend: Any, compiled: Any) -> Any:
+            grammar = make(backend, compiled)
+            self.matchers.append(weakref.ref(grammar))
+            return grammar
+
+        AheadWorker.start = timed_start  # type: ignore[method-assign]
+        XgrammarBackend.make_grammar = recorded_make  # type: ignore[method-assign]
+        gc.callbacks.append(lambda phase, info: self.collections.update([info["generation"]]) if phase == "start" else None)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.seconds[key] += seconds
+        self.calls[key] += 1
+
+    def _time(self, cls: type, name: str, key: str) -> None:
+        original = getattr(cls, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._add(key, time.perf_counter() - t)
+
+        setattr(cls, name, timed)
+
+    def start_run(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.collections.clear()
+
+    def report(self) -> dict[str, Any]:
+        """The run's figures (call after it ended)."""
+        core, manager = self.core, self.core._structured
+        collections = {f"gen{g}": n for g, n in sorted(self.collections.items())}  # before ours, below
+        gc.collect()
+        with open("/proc/self/statm") as f:
+            rss_mb = int(f.read().split()[1]) * 4096 // 2**20
+        out: dict[str, Any] = {
+            "ms_per_call": {k: round(1e3 * s / self.calls[k], 3) for k, s in self.seconds.items()},
+            "calls": dict(self.calls),
+            "gc_collections": collections,
+            "rss_mb": rss_mb,
+            "matchers_made": len(self.matchers),
+            "matchers_alive": sum(ref() is not None for ref in self.matchers),
+        }
+        if manager is not None:
+            out.update(grammars=len(manager.grammars), pre_accepted=len(manager._pre_accepted),
+                       awaiting=len(core._awaiting_grammar),
+                       compile_callbacks=sum(len(f._done_callbacks) for f in manager._compiled.values()))
+        return out
