@@ -198,32 +198,31 @@ def test_threads_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(impl.forward(q, k, v, cache.clone(), md), one)
 
 
-def test_a_lone_float32_decode_runs_the_quantized_models_own_kernel() -> None:
-    """With a quantized model's C ops (the gguf method's), a lone float32 decode runs their decode kernel -- the
-    one a model's one-token plan calls -- bit for bit, and says so to the plan; a batch of decodes runs
-    paged_attention.c as without them. Both within float32 rounding of float64 attention."""
+def test_float32_decodes_run_the_quantized_models_own_kernel() -> None:
+    """With a quantized model's C ops (the gguf method's), a decode-only float32 step -- one decode or a batch --
+    runs their decode kernel, the one a model's one-token plan calls, bit for bit, and says so to the plan
+    (backend.py NOTE 3); a step with a prompt in it runs paged_attention.c as without them. All within float32
+    rounding of float64 attention."""
     from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
 
     ops = cpu_ops()
     if ops is None:
         pytest.skip("no fused CPU ops")
-    layer = AttentionLayerConfig(9, 64, 3, 0.125, cpu_ops=ops)
-    with_ops = CpuAttentionBackend.make_impl(layer)
+    with_ops = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125, cpu_ops=ops))
     plain = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125))
     assert with_ops.c_decode_params(ops) == (0.125, 0, 0.0) and plain.c_decode_params(ops) is None
-    for contexts in ([70], [70, 33, 120]):
-        queries = [1] * len(contexts)
+    for contexts, queries in (([70], [1]), ([70, 33, 120], [1, 1, 1]), ([70, 0], [1, 20])):
         common, q, k, v, cache, tables = _step(contexts, queries, torch.float32, seed=5)
         md = CpuAttentionBackend.build_metadata(common)
-        lone = with_ops.c_decode_step(q, k, v, cache, md)
+        decodes = with_ops.c_decode_step(q, k, v, cache, md)
         got_cache, ref_cache = cache.clone(), cache.clone()
         got = with_ops.forward(q, k, v, got_cache, md)
-        if len(contexts) == 1:
-            assert lone is not None
-            ref = ops.decode_attention(q, k, v, ref_cache, lone.slot_mapping, lone.block_table, lone.seq_lens,
-                                       0.125, None, None)
+        if set(queries) == {1}:
+            assert decodes is not None and plain.c_decode_step(q, k, v, cache, md) is None
+            ref = ops.decode_attention(q, k, v, ref_cache, decodes.slot_mapping, decodes.block_table,
+                                       decodes.seq_lens, 0.125, None, None)
         else:
-            assert lone is None and md.lone_decode is None
+            assert decodes is None and md.decodes_only is None
             ref = plain.forward(q, k, v, ref_cache, md)
         assert torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
         exact = _float64_attention(q, got_cache, tables, contexts, queries, 0.125, None, None)
