@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gemv_sweep import err_of, make_weights, read_bandwidth_gbs  # noqa: E402
+from gemv_sweep import sms as device_sms  # noqa: E402
 from w4_gemv_sweep import Timer  # noqa: E402
 
 Blocks = tuple[int, int, int, int]
@@ -244,7 +245,7 @@ def main() -> None:
     args = parser.parse_args()
     t_start = time.time()
     timer = Timer(args.dry_run)
-    sms = 132 if args.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
+    sms = device_sms()  # 132 (the H200's) without CUDA: the dry run's shapes
     out: dict[str, Any] = {"device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(),
                            "torch": torch.__version__, "sms": sms}
     if not args.dry_run:

@@ -78,7 +78,7 @@ class NativeKernel(nn.Module):
 
     def bf16_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T [..., N] as the bf16 GEMM writes it (bf16), or None where forward(x) would not run it."""
-        if self._bf16 is None or x.numel() // self.k < NATIVE_GEMM_ROWS:
+        if self._bf16 is None or not self.uses_bf16(x):
             return None
         return self._bf16.product(x.reshape(-1, self.k)).reshape(*x.shape[:-1], self.n)
 

@@ -125,15 +125,22 @@ def block_widths(k: int) -> tuple[int, ...]:
         return (1024, 2048) if k % 2048 == 0 else (1024,)
     if k % 512 == 0:
         return (512,)
+    return (_narrowed_block_k(k),)
+
+
+def _narrowed_block_k(k: int) -> int:
+    """1024, halved while it is at least twice K (a small K takes one narrow, masked step)."""
     block_k = 1024
     while block_k > 8 and block_k >= 2 * k:
         block_k //= 2
-    return (block_k,)
+    return block_k
 
 
+@functools.cache
 def single_row_blocks(n: int, k: int, sms: int, element_bytes: int = 2) -> DenseGemvBlocks:
     """The M = 1 blocks by NOTE 4's rule: the first (rows, width) that fills and balances the SMs unsplit,
-    else 4 rows of the widest width with K split (powers of two, whole steps) until the SMs are filled."""
+    else 4 rows of the widest width with K split (powers of two, whole steps) until the SMs are filled.
+    Cached: every uncaptured one-row GEMV call asks (a step's few distinct shapes)."""
     widths = block_widths(k)
     for block_n in (4, 8, 16):
         for block_k in widths:
@@ -159,9 +166,7 @@ def default_blocks(m: int, n: int, k: int, sms: int = 132) -> DenseGemvBlocks:
     if m == 1:
         return single_row_blocks(n, k, sms)
     block_n = 4 if m == 2 else 2
-    block_k = 1024
-    while block_k > 8 and block_k >= 2 * k:
-        block_k //= 2
+    block_k = _narrowed_block_k(k)
     warps = max(1, min(4, block_k // 256))
     return DenseGemvBlocks(block_n, block_k, warps, split_for(n, k, block_n, block_k, PROGRAMS_PER_SM * sms))
 
