@@ -105,13 +105,15 @@ def test_streamed_batch_interleaves_indices(server: LiveServer) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_aborts_every_prompt_within_2s(server: LiveServer, stream: bool) -> None:
-    """16 prompts on 8 running slots: half of them wait. The client gives up after 1 s; every one of them
-    leaves the engine within 2 s (before: the server kept working on them for minutes)."""
-    body = {"prompt": _prompts(16), "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": stream}
+    """64 prompts on 8 running slots: most of them wait, so the request needs eight waves of 500 steps and
+    cannot finish within the client's 1 s (16 prompts, two waves, once did on a quiet machine). The client
+    gives up after 1 s; every one of them leaves the engine within 2 s (before: the server kept working on
+    them for minutes)."""
+    body = {"prompt": _prompts(64), "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": stream}
     t0 = time.monotonic()
     with httpx.Client(timeout=httpx.Timeout(1.0)) as http:
         if stream:
-            # Headers come once all 16 have a first token, which the 8 waiting ones may not get within 1 s
+            # Headers come once all 64 have a first token, which the 56 waiting ones may not get within 1 s
             # (a timeout then); if they do, tokens keep coming and the client closes the stream after 1 s.
             with contextlib.suppress(httpx.TimeoutException), \
                     http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
