@@ -36,6 +36,7 @@ from pagedllm.engine.rank_watchdog import RankWatchdog
 from pagedllm.engine.serialization import (
     Abort,
     AddRequest,
+    AddRequests,
     Fatal,
     Outputs,
     Ready,
@@ -186,6 +187,12 @@ class EngineCoreLoop:
                 logger.warning("engine core: the API process is gone; exiting")
                 return
 
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.core.add_request(request_from_message(msg))
+        except Exception as exc:  # e.g. a duplicate id: fail that request, not the engine
+            self._pending_errors.append(EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(exc)))
+
     def _drain_input(self) -> tuple[bool, bool]:
         """Apply every queued message. Returns (anything changed, shutdown requested)."""
         import zmq
@@ -199,12 +206,10 @@ class EngineCoreLoop:
             msg = decode_to_core(data)
             changed = True
             if isinstance(msg, AddRequest):
-                try:
-                    self.core.add_request(request_from_message(msg))
-                except Exception as exc:  # e.g. a duplicate id: fail that request, not the engine
-                    self._pending_errors.append(
-                        EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(exc))
-                    )
+                self._add(msg)
+            elif isinstance(msg, AddRequests):
+                for one in msg.requests:
+                    self._add(one)
             elif isinstance(msg, Abort):
                 self.core.abort_requests(msg.request_ids)
             elif isinstance(msg, Shutdown):

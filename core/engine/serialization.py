@@ -2,7 +2,7 @@
 
     API process                                     engine-core process
     ───────────                                     ───────────────────
-    AddRequest / Abort / Shutdown  ── PUSH ──────▶  PULL   (input socket)
+    AddRequest(s) / Abort / Shutdown  ── PUSH ──────▶  PULL   (input socket)
     Ready / Outputs / Fatal        ◀─ PULL ──────── PUSH   (output socket)
 
 Every message is a tagged msgspec Struct, so one typed decoder per direction rejects anything malformed
@@ -36,6 +36,13 @@ class AddRequest(msgspec.Struct, tag="add"):
     priority: int = 0
     eos_token_id: int | None = None
     encoder_prompt_token_ids: list[int] | None = None  # encoder-decoder models only
+
+
+class AddRequests(msgspec.Struct, tag="adds"):
+    """Several AddRequests that must enter the same step: the prompts and samples of one API request (the
+    client gathers what was added in one event-loop turn; core_client.py NOTE 2)."""
+
+    requests: list[AddRequest]
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -85,7 +92,7 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
-ToCore = AddRequest | Abort | Shutdown | Watch
+ToCore = AddRequest | AddRequests | Abort | Shutdown | Watch
 FromCore = Ready | Outputs | Fatal
 
 _encoder = msgspec.msgpack.Encoder()
