@@ -168,6 +168,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     path = model_dir(args.tokenizer, args.model_dir, args.tiny)
     levels = [int(x) for x in args.concurrency.split(",")]
     all_ids = prompts(args.tokenizer, max(levels))
+    if args.grammar_threads is not None:
+        import xgrammar as xgr
+
+        from pagedllm.plugins.structured_output.xgrammar import backend as xgrammar_backend
+        xgrammar_backend._ACCEPT_THREADS = args.grammar_threads
+        xgrammar_backend._BATCH = xgr.BatchGrammarMatcher(max_threads=args.grammar_threads)
     engine = Engine(args.engine, path, args.max_tokens, args.device, args.trace)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     result: dict[str, Any] = {"engine": args.engine, "startup_s": engine.startup_s, "max_tokens": args.max_tokens,
@@ -231,6 +237,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a two-layer model with the 8B vocabulary")
     ap.add_argument("--trace", action="store_true", help="pagedllm only: per run, the grammar work's time per "
                     "step and the state left behind (grammar_trace.py)")
+    ap.add_argument("--grammar-threads", type=int, default=None, help="pagedllm only: threads of xgrammar's batch "
+                    "accept and fill (default: the backend's, half the cores, at most 4 for accept)")
     ap.add_argument("--save-tokenizer", metavar="DIR", default=None)
     ap.add_argument("--table", nargs="+", metavar="JSON", default=None)
     args = ap.parse_args()

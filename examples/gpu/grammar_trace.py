@@ -1,7 +1,8 @@
 """--trace for bench_structured.py (pagedllm only): where a run's grammar time goes, and what it leaves behind.
 
-Per run: milliseconds per step of the worker's task (accept + next fill), of the runner's wait at its join (the
-part of it on the step's critical path), of the engine thread's own grammar work (deferred plan, resolve, apply,
+Per run: milliseconds per step of the worker's task (accept + next fill) and of its parts (the wait for the
+step's sampled ids, xgrammar's batch accept, its batch fill), of the runner's wait at its join (the part of it
+on the step's critical path), of the engine thread's own grammar work (deferred plan, resolve, apply,
 advance) and of the engine's whole step; then what the engine holds once the run's requests are done (grammars,
 pre-accepted tokens, requests awaiting a grammar, matchers alive, the cached compilations' callbacks), the
 process RSS and the GC collections during the run. A workload that slows down repeat after repeat shows here
@@ -34,6 +35,26 @@ class GrammarTrace:
         for name in ("_accept_and_fill", "deferred", "_resolve", "advance"):
             self._time(StructuredOutputManager, name, name.strip("_"))
         self._time(GrammarBitmask, "apply", "apply")
+        # Inside the worker's task: the wait for the step's ids, the batch accept, the batch fill.
+        from pagedllm.plugins.structured_output.xgrammar.backend import XgrammarGrammar
+        from pagedllm.worker import pipelined_step
+        for name in ("accept_many", "fill_bitmasks"):
+            self._time(XgrammarGrammar, name, name, static=True)
+        ids_fetch = pipelined_step._ids_fetch
+
+        def timed_ids_fetch(*args: Any) -> Callable[[], list[int]]:
+            fetch = ids_fetch(*args)
+
+            def timed_fetch() -> list[int]:
+                t = time.perf_counter()
+                try:
+                    return fetch()
+                finally:
+                    self._add("ids wait", time.perf_counter() - t)
+
+            return timed_fetch
+
+        pipelined_step._ids_fetch = timed_ids_fetch  # type: ignore[assignment]
         self._time(EngineCore, "step", "engine step")
         start, make = AheadWorker.start, XgrammarBackend.make_grammar
 
@@ -62,7 +83,7 @@ class GrammarTrace:
         self.seconds[key] += seconds
         self.calls[key] += 1
 
-    def _time(self, cls: type, name: str, key: str) -> None:
+    def _time(self, cls: type, name: str, key: str, static: bool = False) -> None:
         original = getattr(cls, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -72,7 +93,7 @@ class GrammarTrace:
             finally:
                 self._add(key, time.perf_counter() - t)
 
-        setattr(cls, name, timed)
+        setattr(cls, name, staticmethod(timed) if static else timed)
 
     def start_run(self) -> None:
         self.seconds.clear()
