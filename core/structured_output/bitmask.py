@@ -60,24 +60,24 @@ class DeferredBitmask:
     the step's GrammarBitmask. It lives in the engine core's process: a tensor-parallel rank that receives
     the step pickled gets None here, as it samples nothing (rank 0 samples and broadcasts the ids)."""
 
-    def __init__(self, fill: Callable[[Any], GrammarBitmask],
+    def __init__(self, fill: Callable[[Any], GrammarBitmask | None],
                  ahead: Callable[[list[str], list[int], Callable[[], list[int]]], Callable[[], None] | None]
                  | None = None) -> None:
         self._fill = fill
         self._ahead = ahead
 
-    def resolve(self, previous: Any) -> GrammarBitmask:
+    def resolve(self, previous: Any) -> GrammarBitmask | None:
+        """None when no request of the step still has a grammar (they all ended meanwhile)."""
         return self._fill(previous)
 
     def accept_ahead(self, req_ids: list[str], sample_rows: list[int],
                      fetch: Callable[[], list[int]]) -> Callable[[], None] | None:
         """Once this step is sampled: feed its ids (`fetch()`, callable from any thread, gives them in
         `sample_rows` order) to the grammars on the manager's worker thread, and fill the next step's rows
-        there too (manager.py NOTE 4). Returns the join, which the runner calls before it hands this step's
-        output back; None when the work stays with `resolve` (no grammar sampled, or a backend without
-        GIL-free batch calls). The runner's last call on this step's masks: it lets go of the step's plan, so
-        that the step the engine core keeps for its output does not keep its requests' matchers alive after
-        they finished."""
+        there too (manager.py NOTE 4). Returns the join, which the runner calls at its next call, before it
+        samples the next step (worker/pipelined_step.py NOTE 5); None when the work stays on the engine thread
+        (no grammar sampled, or a backend without GIL-free batch calls). The runner's last call on this
+        step's masks."""
         ahead, self._ahead = self._ahead, None
         self._fill = _resolved
         return ahead(req_ids, sample_rows, fetch) if ahead is not None else None
@@ -90,7 +90,7 @@ def _none() -> None:
     return None
 
 
-def _resolved(previous: Any) -> GrammarBitmask:
+def _resolved(previous: Any) -> GrammarBitmask | None:
     raise RuntimeError("a DeferredBitmask is resolved once, before its accept_ahead")
 
 

@@ -18,25 +18,30 @@ bitmask then has one row per draft position plus the bonus one: row j is filled 
 
 NOTE(3) pipelined steps (async scheduling, engine_core.py NOTE 2). Step N+1 is scheduled and its forward
 launched before step N's tokens reach the host, so its masks cannot be filled at schedule time. `deferred()`
-lays out N+1's rows and hands the runner a DeferredBitmask; once the runner holds N's sampled ids (after
-launching N+1's forward, model_runner.py NOTE 1) it calls `resolve(previous)`, which feeds N's tokens to the
-grammars and fills N+1's rows -- host work that then overlaps N+1's forward on the GPU, as vLLM's deferred
-sampling does. The tokens are remembered as accepted (`_pre_accepted`), so the core's `advance()` for step N
-only finishes what they terminated. A grammar that N's token terminated gets an allow-all row: its request
-finishes with N, and the extra token N+1 samples is dropped like any token after a stop.
+lays out N+1's rows and hands the runner a DeferredBitmask; the runner samples N+1 at its next call
+(worker/pipelined_step.py NOTE 5), and then `resolve(previous)` fills N+1's rows from the grammars as N's
+tokens left them, as vLLM's deferred sampling does. A grammar that N's token terminated gets an allow-all
+row; the extra tokens it samples after its end are dropped (NOTE 5).
 
-NOTE(4) the grammar work beside the engine's (ahead.py). Resolving on the runner's thread puts accept + fill
-(~5 ms a step at 256 requests on the H200 host) in series with the engine's own host work (~6 ms: applying
-outputs, scheduling, laying out inputs): 11 ms of host per ~10 ms forward, and the GPU waits. So once the
-runner has *sampled* step N it hands the step's ids to `_accept_ahead`: the worker thread waits for them,
-accepts them and fills the rows of each grammar's next sample, while the engine thread applies N-1, schedules
-N+1 and launches its forward; the runner joins it before returning N's output, and N+1's `_resolve` only
-fills the rows the worker could not know (a request whose prompt ended, one back from a pause). Until the join
-the worker alone touches the step's grammars: the engine thread reads only the acceptance and termination the
-worker recorded (`_pre_accepted`, merged at the join), never the matchers. Only grammar classes that declare
-`gil_free_batches` (their batch accept and fill release the GIL) go ahead: a per-token Python loop on a
-thread would queue for the GIL behind the engine thread's Python every token. The others in a step (another
-backend's) stay with `_resolve`, on the engine thread.
+NOTE(4) the grammar work beside the engine's (ahead.py). Accept + fill cost ~5 ms a step at 256 requests on
+the H200 host; in series with the engine's own host work (~6 ms: applying outputs, scheduling, laying out
+inputs) that is more host time than a ~10 ms forward, and the GPU waits. So once the runner has sampled step N
+it hands the step's ids to `_accept_ahead`: the worker thread waits for them, accepts them and fills the rows
+of each grammar's next sample, while the engine thread applies N's output, schedules N+2 and lays out its
+inputs; the runner joins it at its next call, before sampling N+1, whose `_resolve` only fills the rows the
+worker could not know (a request whose prompt ended, one back from a pause). Until the join the worker alone
+touches the step's grammars: the engine thread reads only the verdicts the worker recorded (`_pre_accepted`,
+merged at the join), never those matchers. Only grammar classes that declare `gil_free_batches` (their batch
+accept and fill release the GIL) go ahead: a per-token Python loop on a thread would queue for the GIL behind
+the engine thread's Python every token. The others are accepted by `advance` on the engine thread, as in a
+synchronous step, and filled by `_resolve`.
+
+NOTE(5) verdicts one step late. The engine applies step N (`advance`) while the worker is still accepting N's
+tokens, so `advance` learns whether N's token was accepted, and whether it ended the grammar, with step
+N+1's output. A token the grammar rejected (a backend bug: the mask allows only what it accepts) or one that
+ended it finishes the request then, and N+1's tokens, sampled after it, are dropped from the output. With
+xgrammar a grammar ends only on a stop token, which already finishes the request in step N unless the
+request ignores EOS, so the late verdict changes nothing for most requests.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class StructuredOutputManager:
         self._worker = AheadWorker()  # NOTE 4
         self._gil_free: dict[type, bool] = {}  # grammar class -> whether it declares gil_free_batches (NOTE 4)
         self._ahead: AheadResult | None = None  # the last joined worker task, for the next step's _resolve
+        self._in_worker: set[str] = set()  # NOTE 5: the requests whose last token the worker is accepting now
         # One CPU buffer for every step's masks: a fresh 4 MB tensor per step (256 rows of a 128k vocabulary)
         # costs its page faults each time. Pinned where CUDA is, so that the runner's copy to the device is
         # asynchronous: from pageable memory the copy waits for the stream, i.e. for the step's forward, and
@@ -215,7 +221,9 @@ class StructuredOutputManager:
         grammar request of the step gets a row but a prompt chunk before the last (it samples nothing):
         whether a decode samples is the runner's to know, and a row too many costs one fill."""
         grammars = self.grammars
-        plan: list[tuple[str, StructuredOutputGrammar]] = []
+        # Request ids, not their grammars: a step whose sampling waits (worker/pipelined_step.py NOTE 5) may
+        # be kept by the runner after its requests finished, and must not keep their matchers alive.
+        plan: list[str] = []
         for rid in so.num_scheduled_tokens:
             grammar = grammars.get(rid)
             if grammar is None:
@@ -223,32 +231,27 @@ class StructuredOutputManager:
             req = requests.get(rid)
             if req is None or req.num_computed_tokens < len(req.prompt_token_ids):
                 continue
-            plan.append((rid, grammar))
+            plan.append(rid)
         if not plan:
             return None
         return DeferredBitmask(lambda previous: self._resolve(plan, previous),
                                lambda req_ids, sample_rows, fetch: self._accept_ahead(plan, req_ids, sample_rows,
                                                                                       fetch))
 
-    def _resolve(self, plan: list[tuple[str, StructuredOutputGrammar]],
-                 previous: ModelRunnerOutput | None) -> GrammarBitmask:
-        grammars = self.grammars
+    def _resolve(self, plan: list[str], previous: ModelRunnerOutput | None) -> GrammarBitmask | None:
         ahead, self._ahead = self._ahead, None
+        grammars = self.grammars
+        if not any(rid in grammars for rid in plan):
+            return None  # every request of the step has ended (NOTE 3): nothing to mask
         prefilled: dict[str, int] = {}
-        done: Mapping[str, Any] = {}
         if ahead is not None and previous is not None and previous.req_ids is ahead.req_ids:
-            prefilled, done = ahead.rows, ahead.status  # the worker accepted these and filled their rows (NOTE 4)
-        if previous is not None:
-            todo = [(rid, grammar, tokens) for rid, tokens in zip(previous.req_ids, previous.sampled_token_ids)
-                    if tokens and rid not in done and (grammar := grammars.get(rid)) is not None]
-            self._pre_accepted.update((rid, (ok, grammar.is_terminated()))
-                                      for (rid, grammar, _), ok in zip(todo, accept_rows(todo)))
+            prefilled = ahead.rows  # the worker accepted these and filled their rows (NOTE 4)
         rows: dict[str, int] = {}
-        missing: list[tuple[str, StructuredOutputGrammar]] = []
-        for rid, grammar in plan:
+        missing: list[tuple[str, StructuredOutputGrammar | None]] = []
+        for rid in plan:
             row = prefilled.get(rid)
             if row is None:
-                missing.append((rid, grammar))
+                missing.append((rid, grammars.get(rid)))
             else:
                 rows[rid] = row
         base = len(prefilled)
@@ -257,21 +260,22 @@ class StructuredOutputManager:
         for row, (rid, grammar) in enumerate(missing, base):
             rows[rid] = row
             status = self._pre_accepted.get(rid)
-            if grammar.is_terminated() or (status is not None and not status[0]):
-                bitmask[row].fill_(-1)  # its request ends with the step before (NOTE 3)
+            if grammar is None or grammar.is_terminated() or (status is not None and not status[0]):
+                bitmask[row].fill_(-1)  # its request ended, or ends with the step before (NOTE 3)
             else:
                 live.append((grammar, row))
         fill_rows(live, bitmask)
         return GrammarBitmask(rows, bitmask)
 
-    def _accept_ahead(self, plan: list[tuple[str, StructuredOutputGrammar]], req_ids: list[str],
+    def _accept_ahead(self, plan: list[str], req_ids: list[str],
                       sample_rows: list[int], fetch: Callable[[], list[int]]) -> Callable[[], None] | None:
         """Start accepting a just-sampled step's ids on the worker (NOTE 4); returns the runner's join."""
-        by_rid = dict(plan)
+        planned, grammars = set(plan), self.grammars
         gil_free = self._gil_free
         picks = []
         for j, i in enumerate(sample_rows):
-            grammar = by_rid.get(rid := req_ids[i])
+            rid = req_ids[i]
+            grammar = grammars.get(rid) if rid in planned else None
             if grammar is None:
                 continue
             cls = type(grammar)
@@ -279,13 +283,17 @@ class StructuredOutputManager:
             if ok is None:
                 ok = gil_free[cls] = bool(getattr(cls, "gil_free_batches", False))
             if ok:
-                picks.append((j, rid, grammar))  # the others are accepted by the next _resolve
+                picks.append((j, rid, grammar))  # the others are accepted by `advance` (NOTE 4)
         if not picks:
             return None
         join = self._worker.start(lambda: self._accept_and_fill(req_ids, picks, fetch))
+        self._in_worker = {rid for _, rid, _ in picks}
 
         def merge() -> None:
-            result = join()
+            try:
+                result = join()
+            finally:
+                self._in_worker = set()
             grammars = self.grammars  # a request removed meanwhile keeps no entry
             self._pre_accepted.update((rid, s) for rid, s in result.status.items() if rid in grammars)
             self._ahead = result
@@ -319,29 +327,42 @@ class StructuredOutputManager:
         grammars = self.grammars
         to_finish: dict[str, RequestStatus] = {}
         for out in outputs:
-            grammar = grammars.get(out.request_id)
+            rid = out.request_id
+            grammar = grammars.get(rid)
             if grammar is None:
                 continue
-            # NOTE 3, NOTE 4: accepted already; the recorded termination, as the worker may be moving the
-            # grammar on by the next step's token right now.
-            status = self._pre_accepted.pop(out.request_id, None)
-            accepted, terminated = (None, None) if status is None else status
-            if status is None and out.new_token_ids:
-                accepted = grammar.accept_tokens(out.request_id, out.new_token_ids)
-            if accepted is False:
-                # The mask allowed only what the grammar accepts: this is a backend bug, reported as such.
-                logger.error("structured output: request %s produced tokens %s its grammar rejects",
-                             out.request_id, out.new_token_ids)
-                if not out.finished:
-                    to_finish[out.request_id] = RequestStatus.FINISHED_ERROR
-                    out.finish_reason, out.error = "error", "structured output: the grammar rejected a sampled token"
-            if out.finished:
-                grammars.pop(out.request_id, None)
+            late = self._pre_accepted.pop(rid, None)  # NOTE 5: the worker's verdict on the token before
+            if late is not None and (not late[0] or late[1]):
+                # That token was rejected, or ended the grammar: this step's tokens follow it and are dropped.
+                was_finished = out.finished
+                out.new_token_ids, out.new_logprobs = [], []
+                grammars.pop(rid, None)
+                if not late[0]:
+                    _log_rejected(rid)
+                    out.finish_reason, out.stop_reason, out.error = "error", None, _REJECTED
+                    status = RequestStatus.FINISHED_ERROR
+                else:
+                    out.finish_reason, out.stop_reason, status = "stop", None, RequestStatus.FINISHED_STOPPED
+                if not was_finished:
+                    to_finish[rid] = status
                 continue
-            if grammar.is_terminated() if terminated is None else terminated:
+            if rid in self._in_worker:  # the worker is accepting this step's token right now (NOTE 5)
+                if out.finished:
+                    grammars.pop(rid, None)
+                continue
+            accepted = grammar.accept_tokens(rid, out.new_token_ids) if out.new_token_ids else None
+            if accepted is False:
+                _log_rejected(rid)
+                if not out.finished:
+                    to_finish[rid] = RequestStatus.FINISHED_ERROR
+                    out.finish_reason, out.error = "error", _REJECTED
+            if out.finished:
+                grammars.pop(rid, None)
+                continue
+            if grammar.is_terminated():
                 out.finish_reason = "stop"
-                to_finish[out.request_id] = RequestStatus.FINISHED_STOPPED
-                grammars.pop(out.request_id, None)
+                to_finish[rid] = RequestStatus.FINISHED_STOPPED
+                grammars.pop(rid, None)
                 continue
             req = requests.get(out.request_id)
             if req is not None and req.spec_token_ids:
@@ -359,6 +380,14 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+
+
+_REJECTED = "structured output: the grammar rejected a sampled token"
+
+
+def _log_rejected(request_id: str) -> None:
+    # The mask allowed only what the grammar accepts: this is a backend bug, reported as such.
+    logger.error("structured output: request %s produced a token its grammar rejects", request_id)
 
 
 def accept_rows(todo: list[tuple[str, StructuredOutputGrammar, list[int]]]) -> list[bool]:

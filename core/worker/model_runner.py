@@ -140,6 +140,8 @@ class ModelRunner(PipelinedSteps):
         self._graphs: DecodeGraphs | None = None
         self._warned_overflow = False
         self._pending: PendingStep | None = None  # pipelined mode: the step in flight (NOTE 1)
+        self._unsampled: Any = None  # pipelined mode: a launched step waiting to be sampled (pipelined_step NOTE 5)
+        self._grammar_join: Callable[[], None] | None = None  # the grammar work in flight (pipelined_step NOTE 5)
         self._sampled_host: torch.Tensor | None = None
         # An encoder-decoder model's cross-attention groups, laid out on their own each step (NOTE 5); the
         # other groups ("self" groups, group 0 first) take the usual tables and step buffers.

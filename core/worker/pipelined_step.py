@@ -4,6 +4,18 @@ The mechanism is model_runner.py NOTE 1 (placeholders filled on the device from 
 NOTE 2 (tensor parallelism: rank 0 samples and broadcasts). These methods are ModelRunner's (it inherits this
 mixin); they live apart from the synchronous `execute` because they carry state from one step to the next
 (`_pending`) that the synchronous path never has.
+
+NOTE 5: a step with grammar masks (a DeferredBitmask) is sampled at the start of the next call, not right
+after its forward is launched. Its masks need the previous step's tokens accepted by the grammars, work
+(~5 ms a step at 256 JSON-schema requests on the H200 host) that the grammar worker does while the engine
+applies outputs and schedules (structured_output/manager.py NOTE 4). Sampled at once, the runner waited for
+that work first, and the engine's host work came after it: accept + host work in series, longer than the
+forward, and the GPU waited. Sampled at the next call, the wait is for work that ran beside the host work;
+the sample is still queued before the next forward, which reads its ids. The worker started on this step's
+ids is joined by the next call too, so the engine applies a step before the grammars have accepted its
+tokens: their verdicts reach `advance` one step later (manager.py NOTE 5). A step without masks samples at
+once, as before. With tensor parallelism only rank 0 has the masks, and its broadcast of the ids moves with
+its sampling to just before the next forward, where the other ranks' next collective is too.
 """
 
 from __future__ import annotations
@@ -40,8 +52,20 @@ class PendingStep:
     logprobs: Any  # LogprobsTensors | None
     # req_id -> (start position, LogprobsTensors) of the prompt logprobs computed by this step.
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
-    # The join of the grammar work started on this step's ids (structured_output/manager.py NOTE 4), if any.
-    grammar_join: Callable[[], None] | None = None
+
+
+@dataclass
+class _Unsampled:
+    """A launched step whose sampling waits (NOTE 5): its logits and what sampling them needs."""
+
+    req_ids: list[str]
+    sample_rows: list[int]
+    rows: list[CachedRequestState]  # the sampling rows' states
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, Any]
+    deferred: Any  # DeferredBitmask | None
+    mask: Any  # GrammarBitmask | None: a mask known at schedule time
+    previous: ModelRunnerOutput | None  # the step before's output: the deferred mask is filled from it
 
 
 class PipelinedSteps:
@@ -56,6 +80,8 @@ class PipelinedSteps:
         tp_rank: int
         tp_size: int
         _pending: PendingStep | None
+        _unsampled: _Unsampled | None
+        _grammar_join: Callable[[], None] | None
         _sampled_host: torch.Tensor | None
         _last_metadata: SamplingMetadata | None
         _prompt_logprob_reqs: set[str]
@@ -79,6 +105,7 @@ class PipelinedSteps:
         Not for speculative decoding (the engine runs it through `execute`). With tp > 1 every rank calls
         this for every step, in the same order; a remote rank's return value means nothing (NOTE 2).
         """
+        self._sample_deferred()  # the step before's sampling, when it waited for its masks (NOTE 5)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return self._resolve_pending()
@@ -104,12 +131,31 @@ class PipelinedSteps:
         if len(sample_rows) < len(states):  # (an index from a host list would wait for the forward)
             logits_indices = logits_indices[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden[logits_indices])
-        rows = [states[i] for i in sample_rows]
-        # A deferred mask is filled now, from the previous step's ids, while the GPU runs this step's forward
-        # (structured_output/manager.py NOTE 3; mostly filled already, by the grammar worker: NOTE 4); only
-        # rank 0 has one, as only rank 0 samples.
-        deferred = so.deferred_structured_output
-        mask = deferred.resolve(previous) if deferred is not None else so.structured_output
+        step = _Unsampled(req_ids, sample_rows, [states[i] for i in sample_rows], logits, prompt_lps,
+                          so.deferred_structured_output, so.structured_output, previous)
+        if step.deferred is not None:
+            self._unsampled = step  # NOTE 5: sampled at the next call, once the engine's host work is done
+        else:
+            self._sample(step)
+        return previous
+
+    def _sample_deferred(self) -> None:
+        """NOTE 5: join the grammar work in flight (it filled the masks of the step waiting here), then
+        sample that step and start the grammars on its ids."""
+        join, self._grammar_join = self._grammar_join, None
+        if join is not None:
+            join()
+        step, self._unsampled = self._unsampled, None
+        if step is not None:
+            self._sample(step)
+
+    def _sample(self, step: _Unsampled) -> None:
+        """Mask (if the step has masks), sample and start the copy of the ids to the host: the step becomes
+        the one in flight (`_pending`)."""
+        req_ids, sample_rows, rows, logits, deferred = step.req_ids, step.sample_rows, step.rows, step.logits, step.deferred
+        # A deferred mask is filled now, from the previous step's ids (structured_output/manager.py NOTE 3;
+        # mostly filled already, by the grammar worker: NOTE 4); only rank 0 has one, as only rank 0 samples.
+        mask = deferred.resolve(step.previous) if deferred is not None else step.mask
         if mask is not None:
             mask.apply(logits, [req_ids[i] for i in sample_rows], [1] * len(sample_rows))
         sampled_ids, logprobs = self._sample_pipelined(logits, rows)
@@ -125,12 +171,12 @@ class PipelinedSteps:
             ready.record()
         positions = [r.append_output(PLACEHOLDER) for r in rows]
         # This step's ids go to the grammars on the manager's worker as soon as they exist, beside the engine's
-        # host work until the next step (manager.py NOTE 4); _resolve_pending joins it.
-        join = (deferred.accept_ahead(req_ids, sample_rows, _ids_fetch(sampled_ids, host, ready, self.device))
-                if deferred is not None else None)
+        # host work until the next step (manager.py NOTE 4); the next call joins it (NOTE 5).
+        if deferred is not None:
+            self._grammar_join = deferred.accept_ahead(req_ids, sample_rows,
+                                                       _ids_fetch(sampled_ids, host, ready, self.device))
         self._pending = PendingStep(req_ids, sample_rows, rows, positions, sampled_ids, host, ready, logprobs,
-                                     prompt_lps, join)
-        return previous
+                                    step.prompt_logprobs)
 
     def _sample_pipelined(self, logits: torch.Tensor, rows: list[CachedRequestState]) -> tuple[torch.Tensor, Any]:
         """This step's sampled ids on the device, and their logprobs (rank 0's only: NOTE 2). Every rank has
@@ -210,8 +256,6 @@ class PipelinedSteps:
                 entries = pending.logprobs.to_entries([st.sampling_params.logprobs for st in pending.states])
                 for j, i in enumerate(pending.sample_rows):
                     logprobs[i] = None if entries[j] is None else [entries[j]]
-        if pending.grammar_join is not None:  # before the engine applies this step (manager.py NOTE 4)
-            pending.grammar_join()
         return ModelRunnerOutput(pending.req_ids, sampled, logprobs, [],
                                  prompt_logprobs.to_entries(pending.prompt_logprobs) if pending.prompt_logprobs else {})
 
