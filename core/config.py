@@ -230,13 +230,15 @@ class EngineConfig(_Section):
         "auto", description="auto: on the CPU bfloat16 where it has AMX-BF16 or AVX512-BF16, else float32 "
         "(GGUF kept quantized: float32; platform/cpu_compute.py); the checkpoint's half type on GPU",
     )
-    cpu_kernels: Literal["auto", "quantized", "bf16"] = Field(
+    cpu_kernels: Literal["auto", "quantized", "bf16", "int8"] = Field(
         "auto",
         description="GGUF weights kept quantized on the CPU: 'quantized' = gguf_cpu.c at every size (prefill and "
         "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 16 rows run a bf16 GEMM on a "
         "bf16 copy of the weights made at load (decode stays on the C kernels; refused when the copy would take more "
-        "than half the available memory), faster but near-tied greedy tokens may flip; auto: quantized for now "
-        "(platform/cpu_compute.py NOTE 3)",
+        "than half the available memory), faster but near-tied greedy tokens may flip; 'int8' = those products run "
+        "an int8 GEMM (AVX512-VNNI; activations rounded to int8 per 32, as llama.cpp does) on an int8 copy, faster "
+        "again but flips more near-tied tokens; auto: bf16 where the CPU has bf16 units, else quantized "
+        "(platform/cpu_compute.py NOTE 3, 4)",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="engine seed (dummy weights, unseeded sampling)")

@@ -7,8 +7,8 @@ Two choices, each returned with the reason `pagedllm config show --resolve` and 
    the bf16 GEMMs on those units.
 2. For a GGUF file kept quantized (`cpu_kernels`, EngineConfig): which GEMM its large products (prefill,
    batches of >= 16 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load where the CPU has bf16
-   dot products and the copy fits (NOTE 3), else the matrix dequantized to float32 per call; decode (fewer rows)
-   stays on gguf_cpu.c's kernels.
+   dot products and the copy fits (NOTE 3), else the matrix dequantized to float32 per call; on request an int8
+   GEMM on an int8 copy (NOTE 4); decode (fewer rows) stays on gguf_cpu.c's kernels.
 
 NOTE 1: measured on an AMD EPYC (Zen 4: AVX512-BF16, no AMX; 2 cores, loaded), 2026-12-01: torch's bf16 GEMM
 ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row bf16 products carry ~40 us of
@@ -24,6 +24,16 @@ of float32's "The capital of France is Paris." -- which is also what llama.cpp i
 (its CPU kernels quantize the activations to 8 bits), so the float32 answer was the near-tie's luck, not the
 file's reference behaviour. Teacher-forced top-1 agrees with float32 on 99.3 % of positions
 (tests/test_cpu_dtype.py holds it >= 99 %); `cpu_kernels: quantized` keeps every product in float32.
+NOTE 4: `cpu_kernels: int8` (where the CPU has AVX512-VNNI with AVX512BW) runs the large products on the int8
+GEMM of plugins/quantization/gguf/int8_gemm.c: the weights' exact 4-bit values (with their per-32 scales)
+against activations rounded to int8 per 32 values (llama.cpp's Q8_1), multiplied by vpdpbusd, twice
+vdpbf16ps's multiply-adds per instruction. SmolLM2's matrices at 32-256 rows ran 1.5-2.6x the packed oneDNN
+bf16 GEMM on one core of a Zen 4 EPYC (tools/bench_cpu_gemm.py; docs/cpu.md has the runs). The int8 copy
+replaces the bf16 one (about 0.6x its size). It is not auto's choice: int8 activations round ~5x coarser than
+bf16 (max|x| / 254 of a 32-block against 2^-9 of each value), and SmolLM2's teacher-forced top-1 agreed with
+float32 on 292 of 302 positions (96.7 %, bf16: 300) -- below the 99 % that `auto` holds its kernels to
+(tests/test_cpu_dtype.py, tests/test_gguf_int8_gemm.py). Activations rounded to 16 bits as two int8 halves
+(int8_gemm.c NOTE 4) agree but ran 0.83-1.1x the bf16 GEMM, so they are not used.
 NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
 takes at most half the memory available at start-up, so a model that fits only quantized still loads.
 """
@@ -37,9 +47,11 @@ from typing import Any, Literal
 from pagedllm.platform.cpu_features import CPUFeatures
 from pagedllm.platform.host_memory import host_memory
 
-CpuKernels = Literal["auto", "quantized", "bf16"]
-# NOTE 2: the share of available memory a bf16 copy of the weights may take.
+CpuKernels = Literal["auto", "quantized", "bf16", "int8"]
+# NOTE 2: the share of available memory a bf16 (or int8) copy of the weights may take.
 DEQUANTIZED_MEMORY_SHARE = 0.5
+# NOTE 4: the int8 copy's size against the bf16 copy's: a byte a weight and two float32 per 32 (1.25 / 2).
+INT8_COPY_SHARE = 0.625
 
 
 @dataclass(frozen=True)
@@ -77,31 +89,49 @@ def choose_gguf_batch_gemm(
     features: CPUFeatures, requested: CpuKernels, bf16_copy_bytes: int | None, available_bytes: int | None
 ) -> CpuChoice:
     """Which GEMM a kept-quantized GGUF model's large products (>= 16 rows: prefill, batches) run on the CPU:
-    'bfloat16' (a bf16 copy of each matrix made at load) or 'float32' (each matrix dequantized per call).
+    'bfloat16' (a bf16 copy of each matrix made at load), 'int8' (an int8 copy, int8 activations: NOTE 4) or
+    'float32' (each matrix dequantized per call).
 
-    :param requested: the config's `cpu_kernels` ('auto' lets this rule decide (NOTE 3); 'quantized' = float32).
-    :param bf16_copy_bytes: the bf16 copy's size (an estimate), None when unknown.
+    :param requested: the config's `cpu_kernels` ('auto' lets this rule decide (NOTE 3); 'quantized' =
+        float32; 'bf16' / 'int8' ask for that copy).
+    :param bf16_copy_bytes: the bf16 copy's size (an estimate), None when unknown; the int8 copy takes
+        INT8_COPY_SHARE of it.
     :param available_bytes: the memory available now, None when unknown.
     """
     if requested == "quantized":
         return CpuChoice("float32", "cpu_kernels: quantized (config): every product on the GGUF blocks")
+    config = " (config)" if requested != "auto" else ""
+    int8 = requested == "int8"  # NOTE 4: not auto's choice
+    if int8 and not features.avx512_int8_dot:
+        return CpuChoice(
+            "float32", f"cpu_kernels: int8 (config), but this CPU has no AVX512-VNNI with AVX512BW "
+            f"({features.summary()}): every product on the GGUF blocks",
+        )
     if requested == "auto" and not features.bf16_matrix_units:
         return CpuChoice(
             "float32",
-            f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every product "
-            "on the GGUF blocks",
+            f"cpu_kernels auto: no AMX-BF16 or AVX512-BF16 on this CPU ({features.summary()}): every "
+            "product on the GGUF blocks",
         )
-    too_big = bf16_copy_bytes is not None and available_bytes is not None and (
-        bf16_copy_bytes > DEQUANTIZED_MEMORY_SHARE * available_bytes
+    copy_bytes = None if bf16_copy_bytes is None else int(bf16_copy_bytes * (INT8_COPY_SHARE if int8 else 1))
+    kind = "an int8" if int8 else "a bf16"
+    too_big = copy_bytes is not None and available_bytes is not None and (
+        copy_bytes > DEQUANTIZED_MEMORY_SHARE * available_bytes
     )
     if too_big:
-        assert bf16_copy_bytes is not None and available_bytes is not None
+        assert copy_bytes is not None and available_bytes is not None
         return CpuChoice(
             "float32",
-            f"cpu_kernels: {requested}{' (config)' if requested != 'auto' else ''}, but a bf16 copy of the weights "
-            f"({bf16_copy_bytes / 2**30:.1f} GiB) would "
+            f"cpu_kernels: {requested}{config}, but {kind} copy of the weights ({copy_bytes / 2**30:.1f} GiB) would "
             f"take more than {DEQUANTIZED_MEMORY_SHARE:.0%} of the {available_bytes / 2**30:.1f} GiB available: "
             "every product on the GGUF blocks",
+        )
+    if int8:
+        return CpuChoice(
+            "int8",
+            "cpu_kernels: int8 (config): products of >= 16 rows run int8 GEMMs (vpdpbusd, activations rounded to "
+            "int8 per 32 as llama.cpp does: NOTE 4) on an int8 copy of the weights made at load; decode stays on the "
+            "GGUF C kernels",
         )
     why = (
         f"cpu_kernels auto: the CPU has {'AMX-BF16' if features.amx_bf16 else 'AVX512-BF16'} (NOTE 3)"

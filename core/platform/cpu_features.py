@@ -44,6 +44,12 @@ class CPUFeatures:
         return "avx512_vnni" in self.flags
 
     @property
+    def avx512_int8_dot(self) -> bool:
+        """AVX512 int8 dot products on full vectors (vpdpbusd on zmm: AVX512-VNNI with AVX512F/BW), what
+        the GGUF int8 batch GEMM (plugins/quantization/gguf/int8_gemm.c) is written for."""
+        return {"avx512_vnni", "avx512f", "avx512bw"} <= self.flags
+
+    @property
     def avx512f(self) -> bool:
         return "avx512f" in self.flags
 

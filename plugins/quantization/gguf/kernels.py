@@ -5,7 +5,8 @@ embedding and LM head share one quantized copy):
 
     NativeKernel      Q4_0, Q4_1, Q8_0 on the CPU: the file's blocks as they are, read by our C kernels
                       (gguf_cpu.c, built at first use) with float32 activations: the default on the CPU
-                      (large products through a bf16 copy where the CPU has bf16 units: NOTE 4)
+                      (large products through an int8 copy where the CPU has AVX512-VNNI, NOTE 5, else a
+                      bf16 copy where it has bf16 units: NOTE 4)
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.plugins.quantization.gguf.batch_gemm import Bf16Matrix
+from pagedllm.plugins.quantization.gguf.int8_gemm import Int8Library, Int8Matrix
 
 GROUP = 32
 _ACT = torch.bfloat16  # NOTE 1
@@ -48,6 +50,10 @@ NATIVE_GEMM_ROWS = 16
 # call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
 # dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
 # costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
+# NOTE 5: where the CPU has AVX512-VNNI, the >= NATIVE_GEMM_ROWS products run int8_gemm.c instead, on an int8
+# copy of the matrix made once at load (`keep_int8_copy`: the 4-bit values unpacked to bytes, their per-32
+# scales kept) with the activations rounded to int8 per 32 as llama.cpp does; 1.6-2.6x the bf16 GEMM at
+# SmolLM2's shapes (platform/cpu_compute.py NOTE 4). A kernel keeps one of the two copies, never both.
 
 
 class NativeKernel(nn.Module):
@@ -62,15 +68,31 @@ class NativeKernel(nn.Module):
         self.n, self.k = shape
         self._lib = lib
         self._bf16: Bf16Matrix | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
+        self._int8: Int8Matrix | None = None  # NOTE 5: or in int8
 
     def keep_bf16_copy(self, out_dtype: torch.dtype = torch.float32) -> None:
         """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4), whose outputs
         then come back in `out_dtype` (the model's activations) whatever x's dtype."""
+        self._int8 = None
         self._bf16 = Bf16Matrix(self.dequantize(), out_dtype)
+
+    def keep_int8_copy(self, lib: Int8Library, out_dtype: torch.dtype = torch.float32) -> None:
+        """Keep the matrix repacked for int8_gemm.c for products of >= NATIVE_GEMM_ROWS rows (NOTE 5), their
+        outputs in `out_dtype`."""
+        self._bf16 = None
+        self._int8 = Int8Matrix(lib, self.ggml_type, self.blocks, self.n, self.k, out_dtype)
 
     @property
     def has_bf16_copy(self) -> bool:
         return self._bf16 is not None
+
+    @property
+    def has_int8_copy(self) -> bool:
+        return self._int8 is not None
+
+    def uses_batch_copy(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the bf16 or int8 GEMM (NOTE 4, 5), whose products are rounded."""
+        return (self._bf16 is not None or self._int8 is not None) and x.numel() // self.k >= NATIVE_GEMM_ROWS
 
     def uses_bf16(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the bf16 GEMM (NOTE 4)."""
@@ -90,6 +112,8 @@ class NativeKernel(nn.Module):
             self._lib.matmul(self.ggml_type, self._buffers["blocks"], self.n, self.k, x, y)
             return y
         flat = x.reshape(-1, self.k)
+        if self._int8 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
+            return self._int8(flat).reshape(*x.shape[:-1], self.n)
         if self._bf16 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
             return self._bf16(flat).reshape(*x.shape[:-1], self.n)
         if flat.dtype != torch.float32 or not flat.is_contiguous():

@@ -23,6 +23,9 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
     batch_gemm: "float32" (default) -- CPU products of >= 16 rows (prefill, batches): the matrix dequantized
                                     to float32 per call, then a float32 GEMM
                 "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4)
+                "int8"           -- an int8 copy of each matrix kept from load, int8 activations per 32,
+                                    gguf/int8_gemm.c's AVX512-VNNI GEMM (kernels.py NOTE 5); the bf16 copy
+                                    where that kernel cannot be built (logged)
                                     (not a `plugins.gguf` key: the engine passes it from its `cpu_kernels`,
                                     platform/cpu_compute.py in the core)
 
@@ -67,7 +70,7 @@ logger = logging.getLogger("pagedllm")
 
 _EMBEDDING_MODES = ("keep", "int4")
 _CPU_KERNELS = ("auto", "native", "aten")
-_BATCH_GEMMS = ("float32", "bfloat16")
+_BATCH_GEMMS = ("float32", "bfloat16", "int8")
 NATIVE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what gguf_cpu.c decodes
 # What gguf/triton_gemm.py decodes (its TRITON_TYPES; kept here so choosing a kernel does not import triton).
 TRITON_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -152,6 +155,7 @@ class GGUFConfig:
         # GGUFLinearMethod.apply_act_and_mul's NOTE: every linear layer of the model runs its large products on
         # a bf16 copy (cleared at load by the first layer that does not).
         self.every_linear_bf16 = batch_gemm == "bfloat16"
+        self._int8_warned = False
         self.embedding = embedding
         self.cache_dequantized = cache_dequantized
         self.cpu_kernel = cpu_kernel
@@ -190,6 +194,18 @@ class GGUFConfig:
         lib = native_library()
         if lib is None and self.cpu_kernel == "native":
             raise RuntimeError(f"gguf: cpu_kernel 'native' requested but unavailable: {unavailable_reason()}")
+        return lib
+
+    def int8_library(self) -> Any:
+        """gguf/int8_gemm.c loaded (built on first use) for `batch_gemm: int8`, or None (logged once, with why:
+        the bf16 copy is kept instead)."""
+        from pagedllm.plugins.quantization.gguf.int8_gemm import int8_library, unavailable_reason
+
+        lib = int8_library()
+        if lib is None and not self._int8_warned:
+            self._int8_warned = True
+            logger.warning("gguf: batch_gemm int8 unavailable (%s); large products run the bf16 GEMM",
+                           unavailable_reason())
         return lib
 
     def get_method(self, layer: nn.Module, prefix: str) -> GGUFLinearMethod:
@@ -281,7 +297,13 @@ class _PieceCollector:
             blocks = GGUFBlocks(data.cpu(), run[0].ggml_type, (sum(p.shape[0] for p in run), run[0].shape[1]))
             native = self.config.native_library() if device.type == "cpu" else None
             kernel = make_kernel(blocks, state.dtype, device, self.config.cache_dequantized, native)
-            if self.config.batch_gemm == "bfloat16" and isinstance(kernel, NativeKernel):
+            if self.config.batch_gemm == "int8" and isinstance(kernel, NativeKernel):
+                int8 = self.config.int8_library()
+                if int8 is not None:
+                    kernel.keep_int8_copy(int8, state.dtype)
+                else:
+                    kernel.keep_bf16_copy(state.dtype)
+            elif self.config.batch_gemm == "bfloat16" and isinstance(kernel, NativeKernel):
                 kernel.keep_bf16_copy(state.dtype)
             kernels.append((kernel, blocks.shape[0]))
         return kernels
@@ -446,11 +468,12 @@ class GGUFEmbeddingMethod(_PieceCollector):
         """[N, hidden] -> [N, vocab] logits."""
         kernel = _kernels(layer)[0]
         logits = cast(torch.Tensor, kernel.forward(x))
-        if isinstance(kernel, NativeKernel) and kernel.uses_bf16(x):
+        if isinstance(kernel, NativeKernel) and kernel.uses_batch_copy(x):
             # NOTE: a bf16 GEMM rounds each logit to 8 significant bits (0.125 apart at the magnitudes where a
             # real model's top logits sit), so near-ties flip the greedy token; the leading candidates are
             # recomputed in float32 from the exact rows of the blocks (SmolLM2's teacher-forced top-1 agreement
-            # with the float32 kernels: 98.7 % without, tests/test_cpu_dtype.py).
+            # with the float32 kernels: 98.7 % without, tests/test_cpu_dtype.py). The int8 GEMM's logits carry
+            # the rounding of its int8 activations, so they take the same repair.
             logits = _exact_top_logits(logits, x, kernel)
         return logits
 
