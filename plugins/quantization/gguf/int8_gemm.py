@@ -22,7 +22,7 @@ from pagedllm.api.kernels import load_native
 SOURCE = Path(__file__).with_name("int8_gemm.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _DISABLE_ENV = "PAGEDLLM_GGUF_INT8"
-_reasons: dict[tuple[int, int] | None, str | None] = {}
+_reasons: dict[tuple[int, ...] | None, str | None] = {}
 
 
 class Int8Library:
@@ -76,14 +76,18 @@ class Int8Library:
         return q, s
 
 
-def _flags(tile: tuple[int, int] | None) -> list[str]:
-    return FLAGS if tile is None else [*FLAGS, f"-DI8_MR={tile[0]}", f"-DI8_NR={tile[1]}"]
+def _flags(tile: tuple[int, ...] | None) -> list[str]:
+    if tile is None:
+        return FLAGS
+    names = ["I8_MR", "I8_NR", "I8_PREFETCH", "I8_CHUNKED"]
+    return [*FLAGS, *(f"-D{name}={v}" for name, v in zip(names, tile, strict=False))]
 
 
 @functools.cache
-def int8_library(tile: tuple[int, int] | None = None) -> Int8Library | None:
-    """The compiled kernel, or None (then `unavailable_reason()` says why). `tile` (rows, 16-column panels)
-    overrides int8_gemm.c's register tile, for tools/bench_cpu_gemm.py."""
+def int8_library(tile: tuple[int, ...] | None = None) -> Int8Library | None:
+    """The compiled kernel, or None (then `unavailable_reason()` says why). `tile` (rows, 16-column panels
+    [, prefetch, chunked]) overrides int8_gemm.c's register tile and NOTE 5's switches, for
+    tools/bench_cpu_gemm.py."""
     lib, reason = load_native(SOURCE, _flags(tile), _DISABLE_ENV, "the bf16 batch GEMM")
     if lib is not None and not lib.i8_available():
         lib, reason = None, "int8_gemm.c was built without AVX512-VNNI / AVX512-BW (the compiler's -march=native)"
@@ -91,7 +95,7 @@ def int8_library(tile: tuple[int, int] | None = None) -> Int8Library | None:
     return None if lib is None else Int8Library(lib)
 
 
-def unavailable_reason(tile: tuple[int, int] | None = None) -> str | None:
+def unavailable_reason(tile: tuple[int, ...] | None = None) -> str | None:
     """Why `int8_library()` returned None (None if it has not, or has not been asked yet)."""
     return _reasons.get(tile)
 
