@@ -193,7 +193,9 @@ class XgrammarGrammar:
 
     # Both batch forms below spend their time in xgrammar calls that release the GIL (one call per part of
     # the batch where xgrammar has `batch_accept_token`), so the engine's manager may run them on a thread
-    # beside its own host work (core structured_output/manager.py NOTE 4).
+    # beside its own host work (core structured_output/manager.py NOTE 4). The fill is free of it; the
+    # accept (0.2.9) still takes it inside: beside a busy Python thread 256 accepts took ~3x their time
+    # alone, beside a busy process not (docs/perf-notes.md 28).
     gil_free_batches = _BATCH_ACCEPT is not None
 
     @staticmethod
