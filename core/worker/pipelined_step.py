@@ -15,7 +15,9 @@ the sample is still queued before the next forward, which reads its ids. The wor
 ids is joined by the next call too, so the engine applies a step before the grammars have accepted its
 tokens: their verdicts reach `advance` one step later (manager.py NOTE 5). A step without masks samples at
 once, as before. With tensor parallelism only rank 0 has the masks, and its broadcast of the ids moves with
-its sampling to just before the next forward, where the other ranks' next collective is too.
+its sampling to just before the next forward, where the other ranks' next collective is too. Measured on the
+H200 at 256 requests (docs/perf-notes.md 28): the runner's wait for the ids went, but the overlap gained
+nothing yet, as xgrammar's batch accept takes the GIL inside and slowed beside the engine thread's Python.
 """
 
 from __future__ import annotations
