@@ -199,3 +199,34 @@ def test_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_ops_module.unavailable_reason() == "PAGEDLLM_CPU_OPS=0"
     finally:
         cpu_ops.cache_clear()
+
+
+def test_decode_attention_on_threads_keeps_every_bit(ops: Any) -> None:
+    """A batch large enough to share its requests out over threads (cpu_ops.c NOTE 6: >= 2^20 multiply-adds)
+    gives the one-thread result bit for bit, and the same as the torch backend's decode."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(11)
+    lens = [200 + 13 * i for i in range(12)]  # 12 requests, ~3.2M multiply-adds
+    assert sum(lens) * heads * hd >= 1 << 20
+    blocks, next_block = [], 1
+    for n in lens:
+        count = -(-n // bs)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(next_block, bs, kv_heads, hd), generator=gen)
+    q = torch.randn(len(lens), heads, hd, generator=gen)
+    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
+    common = _decode_step(lens, blocks, bs)
+    slots = common.slot_mapping.to(torch.int64).contiguous()
+    table = common.block_table.to(torch.int32).contiguous()
+    seq_lens = common.seq_lens_cpu.to(torch.int32).contiguous()
+    outs, caches = [], []
+    for threads in (1, 2, 3):
+        c = cache.clone()
+        outs.append(ops.decode_attention(q, k, v, c, slots, table, seq_lens, hd**-0.5, None, None, threads=threads))
+        caches.append(c)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(caches[0], caches[1])
+    reference = TorchSDPABackend.make_impl(AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None))
+    ref = reference.forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(common))
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)

@@ -195,7 +195,7 @@ class CpuDecodePlan:
             qkv(threads)
             rotary(*rot)
             if attn(q_ptr, q_row, k_ptr, k_row, v_ptr, v_row, kv_cache.data_ptr(), num_blocks, block_size, nkv, hs,
-                    nh, *attn_tail, scale, window, cap, attn_out):
+                    nh, *attn_tail, scale, window, cap, attn_out, 1):  # one request: no threads
                 raise MemoryError("cpu_decode_attention: out of memory")
             o_proj(threads)
             norm(o_out, residual, w2, eps2, g2, 1, h, mlp_in, res[which])

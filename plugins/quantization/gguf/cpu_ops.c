@@ -1,10 +1,10 @@
 /* Fused CPU ops for single-stream decode: the small per-layer work that costs more in torch op dispatch
  * (~3-30 us an op on a 2-core VM) than in arithmetic.
  *
- * Built at first use by cpu_ops.py (cc -O3 -march=native -ffp-contract=off) and called through ctypes. All
- * float32, single-threaded (the work per call is microseconds: a parallel region would cost more than it
- * saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6); cpu_decode_step's row products run on their
- * own library's threads.
+ * Built at first use by cpu_ops.py (cc -O3 -march=native -ffp-contract=off -fopenmp) and called through
+ * ctypes. All float32, single-threaded (the work per call is microseconds: a parallel region would cost more
+ * than it saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6) but a batch's decode attention (NOTE 6);
+ * cpu_decode_step's row products run on their own library's threads.
  *
  *   cpu_add_rms_norm       out = norm(x + res) * w, res_out = x + res      (res NULL: out = norm(x) * w)
  *   cpu_rotary_neox        q, k rotated in place, neox halves, first `rot` dims of each head
@@ -22,8 +22,14 @@
  * NOTE 4: exp for softmax and SiLU is Cephes' single-precision polynomial on 8 lanes (~1-2 ulp, like torch's
  * own vectorized exp; libm's scalar expf for tails and without AVX2): libm's took ~6.5 ns a value here,
  * ~10 us of a layer's SiLU and as much of a 160-token attention.
+ * NOTE 6: a batch's decode attention is milliseconds, not microseconds (32 SmolLM2 requests of ~200 tokens:
+ * ~3.7M multiply-adds a layer, a sixth of the batch's decode step on one thread), so from MT_MIN_MACS on its
+ * requests are shared out over `threads` OpenMP threads (torch's libgomp: gguf_cpu.c NOTE 3), one request at
+ * a time from a shared counter. Each request is computed by one thread with the same code in the same order,
+ * so every output keeps its bits whatever the thread count.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -184,6 +190,7 @@ void cpu_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
  * 41 us a layer at ~100 positions (1.2 ms of an 11 ms token), three strided passes from memory per tensor.
  * Each score and each output row is the same sum, in the same order, as head by head. */
 #define PREFETCH_AHEAD 4
+#define MT_MIN_MACS (1L << 20) /* NOTE 6 */
 
 static inline const float *cache_row(const float *base, const int32_t *bt, int64_t bs, int64_t row, int64_t j) {
     return base + ((int64_t)bt[j / bs] * bs + j % bs) * row;
@@ -197,18 +204,25 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
                          int64_t vs, float *cache, int64_t num_blocks, int64_t bs, int64_t nkv, int64_t head,
                          int64_t nh, const int64_t *slots, const int32_t *block_table, int64_t bts,
                          const int32_t *seq_lens, int64_t D, float scale, int64_t window, float soft_cap,
-                         float *out) {
+                         float *out, int threads) {
     const int64_t row = nkv * head, v_off = num_blocks * bs * row, group = nh / nkv;
     for (int64_t d = 0; d < D; d++) {
         memcpy(cache + slots[d] * row, k_new + d * ks, row * sizeof(float));
         memcpy(cache + v_off + slots[d] * row, v_new + d * vs, row * sizeof(float));
     }
-    int64_t max_len = 0;
-    for (int64_t d = 0; d < D; d++) max_len = seq_lens[d] > max_len ? seq_lens[d] : max_len;
-    float *p = malloc((max_len + 1) * nh * sizeof(float)); /* p[h * n + j]: query head h, position j */
-    if (!p) return -1;
-    const float *keys = cache, *values = cache + v_off;
+    int64_t max_len = 0, total = 0;
     for (int64_t d = 0; d < D; d++) {
+        max_len = seq_lens[d] > max_len ? seq_lens[d] : max_len;
+        total += seq_lens[d];
+    }
+    const int nt = threads > 1 && D > 1 && total * nh * head >= MT_MIN_MACS ? (D < threads ? (int)D : threads) : 1;
+    const int64_t per_thread = (max_len + 1) * nh;
+    float *scratch = malloc(per_thread * nt * sizeof(float)); /* p[h * n + j]: query head h, position j */
+    if (!scratch) return -1;
+    const float *keys = cache, *values = cache + v_off;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+    for (int64_t d = 0; d < D; d++) {
+        float *p = scratch + per_thread * omp_get_thread_num();
         const int64_t len = seq_lens[d], first = window > 0 && len > window ? len - window : 0, n = len - first;
         const int32_t *bt = block_table + d * bts;
         const float *qd = q + d * qs; /* query head h = g * group + hh reads KV head g (GQA) */
@@ -235,7 +249,7 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
             for (int64_t h = 0; h < nh; h++) axpy(p[h * n + j - first], vr + h / group * head, od + h * head, head);
         }
     }
-    free(p);
+    free(scratch);
     return 0;
 }
 
@@ -320,7 +334,7 @@ int cpu_decode_step(const cpu_decode_step_args *a) {
         cpu_rotary_neox(qp, row, a->nh, kp, row, a->nkv, a->head, 1, a->positions, a->cos, a->sin, a->half);
         if (cpu_decode_attention(qp, row, kp, row, vp, row, L->cache, a->num_blocks, a->block_size, a->nkv, a->head,
                                  a->nh, a->slots, a->block_table, a->block_table_stride, a->seq_lens, 1, L->scale,
-                                 L->window, L->soft_cap, a->attn_out))
+                                 L->window, L->soft_cap, a->attn_out, 1))
             return -1;
         if (run_products(a->products, L->o, L->gate_up, a->threads)) return -2;
         cpu_add_rms_norm(a->o_out, residual, L->norm2, L->eps2, (int)L->gemma2, 1, h, a->mlp_in, a->residual[which]);

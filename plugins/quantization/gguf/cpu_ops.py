@@ -27,7 +27,7 @@ import torch
 from pagedllm.api.kernels import load_native
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _DISABLE_ENV = "PAGEDLLM_CPU_OPS"
 _reason: str | None = None
 
@@ -48,7 +48,7 @@ class CpuOps:
         self.silu_fn.restype = None
         self.attn_fn = lib.cpu_decode_attention
         self.attn_fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
-                               f32, p]
+                               f32, p, c_int]
         self.attn_fn.restype = c_int
         self._step_fn = lib.cpu_decode_step
         self._step_fn.argtypes = [ctypes.POINTER(_StepArgs)]
@@ -153,11 +153,13 @@ class CpuOps:
         scale: float,
         window: int | None,
         soft_cap: float | None,
+        threads: int | None = None,
     ) -> torch.Tensor:
         """Write key/value [D, nkv, hs] at slots, then attend query [D, nh, hs] over each request's blocks.
 
         kv_cache [2, num_blocks, block_size, nkv, hs] contiguous float32; slots [D] int64, block_table
-        [D, *] int32 and seq_lens [D] int32, contiguous rows. Returns [D, nh, hs].
+        [D, *] int32 and seq_lens [D] int32, contiguous rows. Returns [D, nh, hs]. A large batch's requests
+        are shared out over `threads` (default torch's thread count; cpu_ops.c NOTE 6), with the same bits.
         """
         d, nh, hs = query.shape
         _, num_blocks, block_size, nkv, _ = kv_cache.shape
@@ -165,7 +167,8 @@ class CpuOps:
         rc = self.attn_fn(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
                         value.stride(0), kv_cache.data_ptr(), num_blocks, block_size, nkv, hs, nh,
                         slots.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), d,
-                        scale, window or 0, soft_cap or 0.0, out.data_ptr())
+                        scale, window or 0, soft_cap or 0.0, out.data_ptr(),
+                        torch.get_num_threads() if threads is None else threads)
         if rc:
             raise MemoryError("cpu_decode_attention: out of memory")
         return out
