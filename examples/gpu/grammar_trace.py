@@ -41,34 +41,12 @@ class GrammarTrace:
         for name in ("accept_many", "fill_bitmasks"):
             self._time(XgrammarGrammar, name, name, static=True)
         ids_fetch = pipelined_step._ids_fetch
-
-        def timed_ids_fetch(*args: Any) -> Callable[[], list[int]]:
-            fetch = ids_fetch(*args)
-
-            def timed_fetch() -> list[int]:
-                t = time.perf_counter()
-                try:
-                    return fetch()
-                finally:
-                    self._add("ids wait", time.perf_counter() - t)
-
-            return timed_fetch
-
-        pipelined_step._ids_fetch = timed_ids_fetch  # type: ignore[assignment]
+        pipelined_step._ids_fetch = lambda *a: self._timed(ids_fetch(*a), "ids wait")  # type: ignore[assignment]
         self._time(EngineCore, "step", "engine step")
         start, make = AheadWorker.start, XgrammarBackend.make_grammar
 
         def timed_start(worker: Any, task: Callable[[], Any]) -> Callable[[], Any]:
-            join = start(worker, task)
-
-            def timed_join() -> Any:
-                t = time.perf_counter()
-                try:
-                    return join()
-                finally:
-                    self._add("join wait", time.perf_counter() - t)
-
-            return timed_join
+            return self._timed(start(worker, task), "join wait")
 
         def recorded_make(backend: Any, compiled: Any) -> Any:
             grammar = make(backend, compiled)
@@ -83,16 +61,20 @@ class GrammarTrace:
         self.seconds[key] += seconds
         self.calls[key] += 1
 
-    def _time(self, cls: type, name: str, key: str, static: bool = False) -> None:
-        original = getattr(cls, name)
+    def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        """`fn`, each call's time added under `key`."""
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self._add(key, time.perf_counter() - t)
 
+        return timed
+
+    def _time(self, cls: type, name: str, key: str, static: bool = False) -> None:
+        timed = self._timed(getattr(cls, name), key)
         setattr(cls, name, staticmethod(timed) if static else timed)
 
     def start_run(self) -> None:

@@ -5,8 +5,8 @@ embedding and LM head share one quantized copy):
 
     NativeKernel      Q4_0, Q4_1, Q8_0 on the CPU: the file's blocks as they are, read by our C kernels
                       (gguf_cpu.c, built at first use) with float32 activations: the default on the CPU
-                      (large products through an int8 copy where the CPU has AVX512-VNNI, NOTE 5, else a
-                      bf16 copy where it has bf16 units: NOTE 4)
+                      (large products through a bf16 copy where the CPU has bf16 units: NOTE 4; through an
+                      int8 copy with `cpu_kernels: int8`: NOTE 5)
     Int4PackKernel    4-bit, 32-groups: PyTorch's CPU int4 weight-only GEMM (Q4_0, Q4_1, requantized rows)
     GroupInt8Kernel   8-bit q with a scale (and zero) per 32-group: one int8 weight-only GEMM per group
                       column (Q8_0, Q5_0, Q5_1)
@@ -50,7 +50,7 @@ NATIVE_GEMM_ROWS = 16
 # call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
 # dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
 # costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
-# NOTE 5: where the CPU has AVX512-VNNI, the >= NATIVE_GEMM_ROWS products run int8_gemm.c instead, on an int8
+# NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= NATIVE_GEMM_ROWS products run int8_gemm.c instead, on an int8
 # copy of the matrix made once at load (`keep_int8_copy`: the 4-bit values unpacked to bytes, their per-32
 # scales kept) with the activations rounded to int8 per 32 as llama.cpp does; 1.6-2.6x the bf16 GEMM at
 # SmolLM2's shapes (platform/cpu_compute.py NOTE 4). A kernel keeps one of the two copies, never both.
