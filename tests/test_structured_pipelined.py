@@ -213,10 +213,13 @@ def test_grammar_work_overlaps_scheduling_and_precedes_the_mask(pipelined_llm: L
         assert between.count("ahead end") == 1 and between.index("ahead end") > between.index("schedule"), between
 
 
-def test_xgrammar_batch_accept_equals_one_token_at_a_time(model_dir: str) -> None:
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-binding", "public-wrapper"])
+def test_xgrammar_batch_accept_equals_one_token_at_a_time(model_dir: str, raw: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """accept_many's batch path (one `batch_accept_token` call per part: the worker's GIL-light form) against
     xgrammar's own accept_token one grammar at a time: the same verdicts, terminations and next masks, over
-    allowed tokens, a forbidden one, a stop token ending a grammar, and grammars already ended."""
+    allowed tokens, a forbidden one, a stop token ending a grammar, and grammars already ended. Both ways of
+    calling it: the binding directly, its verdicts read in one call (backend.py NOTE 3), and the wrapper."""
     import torch
     from structured_models import smollm2_tokenizer
 
@@ -225,6 +228,10 @@ def test_xgrammar_batch_accept_equals_one_token_at_a_time(model_dir: str) -> Non
 
     if xg._BATCH_ACCEPT is None:
         pytest.skip("this xgrammar has no BatchGrammarMatcher.batch_accept_token")
+    if raw:
+        assert xg._RAW_ACCEPT is not None, "xgrammar's binding moved: backend.py NOTE 3 reads the wrapper's way"
+    else:
+        monkeypatch.setattr(xg, "_RAW_ACCEPT", None)
     tokenizer = smollm2_tokenizer()
     vocab = len(tokenizer)
     backend = xg.XgrammarBackend(StructuredOutputContext(tokenizer, vocab, (tokenizer.eos_token_id,)))

@@ -122,6 +122,28 @@ _POOL: ThreadPoolExecutor | None = None  # accept_many's, made on the first larg
 _ACCEPT_THREADS = min(4, (os.cpu_count() or 1) // 2)
 # One C++ call for a batch of single tokens, where this xgrammar has it (0.2.9 does).
 _BATCH_ACCEPT = getattr(xgr.BatchGrammarMatcher, "batch_accept_token", None)
+# NOTE(3) reading the batch accept's verdicts. xgrammar 0.2.9 returns them as a tvm_ffi Array, and its
+# wrapper reads it back element by element: two FFI calls per element (the length, the item), each letting go
+# of the GIL and taking it back. On the grammar worker's threads, beside the engine thread's Python, every
+# taking back waits for the GIL: measured on the 2-core CPU machine (256 matchers of
+# examples/gpu/bench_structured.py's schema, a busy Python thread beside, switch interval 0.25 ms), the wrapper
+# took 6.95 ms a batch and the raw call 2.58 ms (2.2-2.4 ms alone, either way). So where xgrammar's binding
+# module is what 0.2.9 ships, the call goes to it directly and the verdicts are read with one membership test
+# (`0 in verdicts`, one FFI call): every token the mask allowed is accepted, so a rejection is a backend bug and
+# only then is the array read element by element.
+_RAW_ACCEPT = getattr(getattr(getattr(xgr, "base", None), "_core", None), "BatchGrammarMatcher", None)
+_RAW_ACCEPT = getattr(_RAW_ACCEPT, "batch_accept_token", None)
+
+
+def _batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
+    """xgrammar's batch accept, its verdicts read as NOTE 3 says."""
+    if _RAW_ACCEPT is None or not all(hasattr(m, "_handle") for m in matchers[:1]):
+        assert _BATCH_ACCEPT is not None
+        return [bool(ok) for ok in _BATCH_ACCEPT(matchers, tokens)]
+    verdicts = _RAW_ACCEPT([m._handle for m in matchers], tokens, False)
+    if 0 not in verdicts:
+        return [True] * len(matchers)
+    return [bool(ok) for ok in verdicts]
 
 
 def _accept_each(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> list[bool]:
@@ -134,15 +156,14 @@ def _accept_part(grammars: list[XgrammarGrammar], tokens: list[list[int]]) -> li
     single = [i for i, (g, t) in enumerate(zip(grammars, tokens)) if len(t) == 1 and not g._terminated]
     if len(single) < 2:
         return _accept_each(grammars, tokens)
-    assert _BATCH_ACCEPT is not None
     results = [True] * len(grammars)
-    oks = _BATCH_ACCEPT([grammars[i].matcher for i in single], [tokens[i][0] for i in single])
+    oks = _batch_accept([grammars[i].matcher for i in single], [tokens[i][0] for i in single])
     # A matcher ends only by accepting one of its stop tokens (terminate_without_stop_token is off), so the
     # token says it: no is_terminated() per matcher. Each of those calls lets go of the GIL and takes it
     # back, and on the grammar worker's threads, beside the engine thread's Python, every taking back waited
     # out a switch interval: 256 of them made the batch accept ~8 ms a step on the H200 host, not ~1.
     for i, ok in zip(single, oks):
-        results[i] = bool(ok)
+        results[i] = ok
         if ok:
             grammars[i]._terminated = tokens[i][0] in grammars[i].stop_ids
     if len(single) < len(grammars):
@@ -193,9 +214,8 @@ class XgrammarGrammar:
 
     # Both batch forms below spend their time in xgrammar calls that release the GIL (one call per part of
     # the batch where xgrammar has `batch_accept_token`), so the engine's manager may run them on a thread
-    # beside its own host work (core structured_output/manager.py NOTE 4). The fill is free of it; the
-    # accept (0.2.9) still takes it inside: beside a busy Python thread 256 accepts took ~3x their time
-    # alone, beside a busy process not (docs/perf-notes.md 28).
+    # beside its own host work (core structured_output/manager.py NOTE 4). The accept's verdicts are read
+    # in one call too (NOTE 3): read one by one, they made it ~3x slower beside the engine thread's Python.
     gil_free_batches = _BATCH_ACCEPT is not None
 
     @staticmethod
