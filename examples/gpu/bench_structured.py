@@ -174,10 +174,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         from pagedllm.plugins.structured_output.xgrammar import backend as xgrammar_backend
         xgrammar_backend._ACCEPT_THREADS = args.grammar_threads
         xgrammar_backend._BATCH = xgr.BatchGrammarMatcher(max_threads=args.grammar_threads)
+    if args.accept_threads is not None:
+        from pagedllm.plugins.structured_output.xgrammar import backend as xgrammar_backend
+        xgrammar_backend._ACCEPT_THREADS = args.accept_threads
+    if args.switch_interval_us is not None:
+        from pagedllm.structured_output import ahead
+        ahead.SWITCH_INTERVAL_S = args.switch_interval_us * 1e-6
     engine = Engine(args.engine, path, args.max_tokens, args.device, args.trace)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     result: dict[str, Any] = {"engine": args.engine, "startup_s": engine.startup_s, "max_tokens": args.max_tokens,
-                              "prompt_tokens_mean": statistics.mean(len(x) for x in all_ids), "levels": {}}
+                              "prompt_tokens_mean": statistics.mean(len(x) for x in all_ids), "levels": {},
+                              "settings": {"grammar_threads": args.grammar_threads,
+                                           "accept_threads": args.accept_threads,
+                                           "switch_interval_us": args.switch_interval_us}}
     for n in levels:
         ids = all_ids[:n]
         warm = {mode: engine.run(ids, mode) for mode in ("free", "schema")}
@@ -239,6 +248,10 @@ def main() -> int:
                     "step and the state left behind (grammar_trace.py)")
     ap.add_argument("--grammar-threads", type=int, default=None, help="pagedllm only: threads of xgrammar's batch "
                     "accept and fill (default: the backend's, half the cores, at most 4 for accept)")
+    ap.add_argument("--accept-threads", type=int, default=None, help="pagedllm only: threads of the batch accept "
+                    "alone (the fill keeps its own)")
+    ap.add_argument("--switch-interval-us", type=float, default=None, help="pagedllm only: the interpreter's "
+                    "switch interval while the grammar worker runs (structured_output/ahead.py NOTE 1)")
     ap.add_argument("--save-tokenizer", metavar="DIR", default=None)
     ap.add_argument("--table", nargs="+", metavar="JSON", default=None)
     args = ap.parse_args()
