@@ -230,3 +230,50 @@ def test_decode_attention_on_threads_keeps_every_bit(ops: Any) -> None:
     reference = TorchSDPABackend.make_impl(AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None))
     ref = reference.forward(q, k, v, cache.clone(), TorchSDPABackend.build_metadata(common))
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+# -- the bf16 GEMM path's helpers (cpu_ops.c NOTE 7, 8) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (2048, 3072), (5, 46)])  # one thread, rows on threads, a tail
+def test_silu_and_mul_bf16_rounds_the_float32_product_once(ops: Any, shape: tuple[int, int]) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 4).to(torch.bfloat16)
+    x[0, 0], x[0, shape[1] // 2] = float("nan"), 1.0  # NaN gate: NaN out
+    gate, up = x.float().chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    got = ops.silu_and_mul_bf16(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (shape[0], shape[1] // 2) and got[0, 0].isnan()
+    got, exact = got.float()[:, 1:], exact[:, 1:]
+    assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()  # within one bf16 rounding
+    assert (got == exact.to(torch.bfloat16).float()).float().mean() > 0.99  # our exp: 1-2 float32 ulp
+
+
+def test_silu_and_mul_bf16_keeps_its_bits_on_threads(ops: Any) -> None:
+    x = torch.randn(2048, 3072, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.silu_and_mul_bf16(x)
+        torch.set_num_threads(2)
+        assert torch.equal(ops.silu_and_mul_bf16(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(32, 49152, 8), (3, 9, 8), (1, 100, 1), (2, 17, 17)])
+def test_top_k_picks_what_topk_picks(ops: Any, rows: int, n: int, k: int) -> None:
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n))
+    x[0, 3] = float("nan")  # never picked
+    got = ops.top_k(x, k)
+    assert got.dtype == torch.int64 and got.shape == (rows, k)
+    clean = x.nan_to_num(nan=-float("inf"))
+    want = clean.topk(k, dim=-1).indices
+    # No set order; values compared, so a tie could take either index.
+    assert torch.equal(clean.gather(1, got).sort(dim=-1).values, clean.gather(1, want).sort(dim=-1).values)
+    assert all(len(set(r.tolist())) == k for r in got)
+
+
+def test_top_k_refuses_a_k_it_cannot_hold(ops: Any) -> None:
+    for k in (0, 65, 11):
+        with pytest.raises(ValueError, match="cpu_top_k"):
+            ops.top_k(torch.zeros(2, 10), k)

@@ -38,11 +38,16 @@ def test_the_mlp_activation_goes_from_gemm_to_gemm_in_bf16() -> None:
 
     act = gate_up.quant_method.apply_act_and_mul(gate_up, x, "silu")
     gate, up = F.linear(x.to(torch.bfloat16), gate_up_blocks.dequantize().to(torch.bfloat16)).chunk(2, dim=-1)
-    expected = F.silu(gate) * up  # a bf16 model's MLP (torch's ops) on the same weights
-    assert act is not None and act.dtype == torch.bfloat16 and torch.equal(act, expected)
+    assert act is not None and act.dtype == torch.bfloat16
+    if config.cpu_fused_ops() is None:
+        assert torch.equal(act, F.silu(gate) * up)  # a bf16 model's MLP (torch's ops) on the same weights
+    else:  # cpu_ops.c NOTE 7: silu(gate) * up in float32, rounded to bf16 once (its exp: 1-2 ulp of float32)
+        exact = F.silu(gate.float()) * up.float()
+        assert ((act.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-30).all()
+        assert (act == exact.to(torch.bfloat16)).float().mean() > 0.99
     y = down.quant_method.apply(down, act, None)  # the bf16 activation in, the model's float32 out
     assert y.dtype == torch.float32
-    assert torch.equal(y, F.linear(expected, down_blocks.dequantize().to(torch.bfloat16)).float())
+    assert torch.equal(y, F.linear(act, down_blocks.dequantize().to(torch.bfloat16)).float())
 
     # Decode-sized products and other activations keep the float32 path.
     assert gate_up.quant_method.apply_act_and_mul(gate_up, x[: NATIVE_GEMM_ROWS - 1], "silu") is None

@@ -4,6 +4,8 @@ config leaves unset.
 
 It runs after the weights are loaded so the memory it reads is what is left with them in place (a GGUF model's
 bf16 copy included), and before the KV plan, the scheduler and the runner, which all take the resolved config.
+It also sets glibc malloc's thresholds for the engine's per-step tensors (platform/cpu_malloc.py), once per
+process, and adds that line to the reasons.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pagedllm.distributed.communication import world_min
 from pagedllm.engine.kv_plan import kv_layout
 from pagedllm.kv_cache.capacity import KVCapacity
 from pagedllm.platform.cpu_features import cpu_features
+from pagedllm.platform.cpu_malloc import tune_malloc
 from pagedllm.platform.cpu_sizing import CpuSizingInputs, RequestedSizes, size_cpu_engine
 from pagedllm.platform.host_memory import host_memory
 
@@ -50,6 +53,9 @@ def resolve_cpu_sizes(config: EngineConfig, model: Any, trained_len: int | None)
     # Every rank builds its runner for these sizes and its memory may differ: all take the smallest.
     seqs, budget = world_min(sizing.max_num_seqs), world_min(sizing.max_num_batched_tokens)
     reasons = sizing.reasons
+    malloc = tune_malloc()  # a step's tensors reuse the heap's pages (platform/cpu_malloc.py NOTE 1)
+    if malloc is not None:
+        reasons += (malloc,)
     if (seqs, budget) != (sizing.max_num_seqs, sizing.max_num_batched_tokens):
         reasons += (f"max_num_seqs {seqs}, max_num_batched_tokens {budget}: the smallest over the ranks",)
     kv_update: dict[str, Any] = {}

@@ -6,6 +6,8 @@ refuses the CPU with that reason, so the selector falls back to `torch`.
 
 NOTE 1: the call is on the per-layer path (one per layer and step): arguments are plain ints from
 `data_ptr()` and argtypes are set once; the shape and layout checks are the backend's, made once per step.
+NOTE 2: the C call's threads are an OpenMP team (paged_attention.c NOTE 3), so torch is imported before the
+library loads: its libgomp is then the one the team comes from, torch's own thread pool.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import torch  # noqa: F401  (NOTE 2)
+
 from pagedllm.api.kernels import load_native
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 DISABLE_ENV = "PAGEDLLM_CPU_ATTENTION"
 _reason: list[str | None] = [None]
 

@@ -3,6 +3,8 @@
     cpu_ops()            -> CpuOps, or None with `unavailable_reason()` saying why (no C compiler, a failed
                             build, PAGEDLLM_CPU_OPS=0); the layers then run their torch code
     CpuOps.add_rms_norm / rotary_neox / silu_and_mul / decode_attention: float32 CPU tensors only
+    CpuOps.silu_and_mul_bf16 / top_k: the bf16 batch GEMMs' activation and the LM head's candidates
+                            (the gguf method's own use, not the CpuFusedOps protocol)
 
 The gguf method brings them (GGUFConfig.cpu_fused_ops, a quantization config's optional member) and the
 engine builder hands them to a float32 CPU model's layers at construction (KernelOptions.cpu_ops): they are
@@ -50,6 +52,12 @@ class CpuOps:
         self.attn_fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
                                f32, p, c_int]
         self.attn_fn.restype = c_int
+        self._silu_bf16_fn = lib.cpu_silu_and_mul_bf16
+        self._silu_bf16_fn.argtypes = [p, i64, i64, p, c_int]
+        self._silu_bf16_fn.restype = None
+        self._top_k_fn = lib.cpu_top_k
+        self._top_k_fn.argtypes = [p, i64, i64, i64, p, c_int]
+        self._top_k_fn.restype = c_int
         self._step_fn = lib.cpu_decode_step
         self._step_fn.argtypes = [ctypes.POINTER(_StepArgs)]
         self._step_fn.restype = c_int
@@ -140,6 +148,23 @@ class CpuOps:
         out = torch.empty(*x.shape[:-1], d)
         self.silu_fn(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
         return out
+
+    def silu_and_mul_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2d] bf16 (contiguous) -> [T, d] bf16: silu(gate) * up in float32, rounded once (cpu_ops.c NOTE 7);
+        rows shared over torch's threads for a large T."""
+        t, d = x.shape[0], x.shape[1] // 2
+        out = torch.empty(t, d, dtype=torch.bfloat16)
+        self._silu_bf16_fn(x.data_ptr(), t, d, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def top_k(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """[T, n] float32 (contiguous) -> [T, k] int64: each row's k (<= 64) largest values' indices, in no set
+        order (cpu_ops.c NOTE 8)."""
+        t, n = x.shape
+        idx = torch.empty(t, k, dtype=torch.int64)
+        if self._top_k_fn(x.data_ptr(), t, n, k, idx.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"cpu_top_k: k {k} outside 1..min({n}, 64)")
+        return idx
 
     def decode_attention(
         self,

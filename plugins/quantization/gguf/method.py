@@ -370,9 +370,11 @@ class GGUFLinearMethod(_PieceCollector):
         32-256 tokens took 3.5 s of CPU time to prefill instead of 5.1 s (1 thread, 2026-12-02, interleaved in
         one process). The down projection takes the bf16 activation as it is and answers in the model's dtype
         (NativeKernel.keep_bf16_copy), so this runs only while every linear layer has a bf16 copy
-        (`every_linear_bf16`): another kernel would answer a bf16 input in bf16. silu(gate) is rounded to bf16
-        before the product, as a bf16 model's MLP does (teacher-forced top-1 against float32: 300 of 302
-        positions, 301 with the float32 SiLU; tests/test_cpu_dtype.py).
+        (`every_linear_bf16`): another kernel would answer a bf16 input in bf16. With the CPU fused ops the
+        activation is cpu_ops.c's one pass (silu(gate) * up in float32 from the bf16 halves, rounded to bf16
+        once: NOTE 7 there); without, torch's, which rounds silu(gate) to bf16 before the product as a bf16
+        model's MLP does (teacher-forced top-1 against float32: 300 of 302 positions, 301 with the float32
+        SiLU; tests/test_cpu_dtype.py).
         """
         if activation != "silu" or not self.config.every_linear_bf16 or getattr(layer, "bias", None) is not None:
             return None
@@ -380,6 +382,9 @@ class GGUFLinearMethod(_PieceCollector):
         gate_up = cast(NativeKernel, kernels[0]).bf16_product(x) if len(kernels) == 1 else None
         if gate_up is None:
             return None
+        ops = self.config.cpu_fused_ops()
+        if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return cast(torch.Tensor, ops.silu_and_mul_bf16(gate_up))  # one pass, one rounding (cpu_ops.c NOTE 7)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -474,17 +479,22 @@ class GGUFEmbeddingMethod(_PieceCollector):
             # recomputed in float32 from the exact rows of the blocks (SmolLM2's teacher-forced top-1 agreement
             # with the float32 kernels: 98.7 % without, tests/test_cpu_dtype.py). The int8 GEMM's logits carry
             # the rounding of its int8 activations, so they take the same repair.
-            logits = _exact_top_logits(logits, x, kernel)
+            logits = _exact_top_logits(logits, x, kernel, self.config.cpu_fused_ops())
         return logits
 
 
 _TOP_CANDIDATES = 8  # GGUFEmbeddingMethod.apply's NOTE
 
 
-def _exact_top_logits(logits: torch.Tensor, x: torch.Tensor, kernel: NativeKernel) -> torch.Tensor:
-    """float32 logits [N, V] whose leading _TOP_CANDIDATES entries per row are recomputed in float32."""
+def _exact_top_logits(logits: torch.Tensor, x: torch.Tensor, kernel: NativeKernel, ops: Any = None) -> torch.Tensor:
+    """float32 logits [N, V] whose leading _TOP_CANDIDATES entries per row are recomputed in float32; `ops`,
+    the CPU fused ops, pick them in C (cpu_ops.c NOTE 8: which of equal logits is taken may differ from topk)."""
     out = logits.float()
-    top = out.topk(min(_TOP_CANDIDATES, out.shape[-1]), dim=-1).indices  # [N, k]
+    k = min(_TOP_CANDIDATES, out.shape[-1])
+    if ops is not None and out.dim() == 2 and out.is_contiguous():
+        top = ops.top_k(out, k)  # [N, k]
+    else:
+        top = out.topk(k, dim=-1).indices  # [N, k]
     rows = kernel.rows(top.reshape(-1)).view(*top.shape, -1)  # [N, k, hidden], exact float32
     exact = torch.einsum("nh,nkh->nk", x.float(), rows)
     return out.scatter_(-1, top, exact)
