@@ -79,3 +79,29 @@ def test_structural_tags_validate_with_xgrammar() -> None:
         XgrammarBackend.validate(StructuredOutputsParams(structural_tag='{"structures": [{"begin": 1}]}'))
     with pytest.raises(ValueError, match="^structured_outputs.structural_tag: "):
         XgrammarBackend.validate(StructuredOutputsParams(structural_tag="not json"))
+
+
+def test_the_frontend_check_remembers_a_constraint_that_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """structured_outputs_check validates a constraint once (selection.py NOTE): the same schema again costs
+    no backend check; another schema, another backend asked for, or a constraint that failed is checked anew,
+    and a failure is raised every time."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.plugins.structured_output.xgrammar.backend import XgrammarBackend
+    from pagedllm.structured_output.selection import structured_outputs_check
+
+    calls: list[str] = []
+    validate = XgrammarBackend.validate
+    monkeypatch.setattr(XgrammarBackend, "validate",
+                        staticmethod(lambda p: (calls.append(p.kind), validate(p))[1]))
+    check = structured_outputs_check(get_plugin_manager(), EngineConfig())
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for _ in range(3):
+        check(StructuredOutputsParams(json=dict(schema)))
+    assert calls == ["json"]
+    check(StructuredOutputsParams(json={**schema, "required": []}))
+    check(StructuredOutputsParams(json=dict(schema), disable_any_whitespace=True))
+    assert len(calls) == 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^structured_outputs.regex"):
+            check(StructuredOutputsParams(regex="a\x00b"))
+    assert len(calls) == 5

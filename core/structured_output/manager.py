@@ -62,7 +62,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.ahead import AheadResult, AheadWorker
 from pagedllm.structured_output.bitmask import DeferredBitmask, GrammarBitmask, bitmask_width
 from pagedllm.structured_output.constraints import constraint_key
-from pagedllm.structured_output.selection import select_backend
+from pagedllm.structured_output.selection import KeyCache, select_backend, selection_key
 
 logger = logging.getLogger("pagedllm")
 
@@ -85,6 +85,7 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self._sections = dict(plugin_sections or {})
         self._backends: dict[str, Any] = {}  # name -> built backend, made on first use
+        self._chosen = KeyCache(cache_size)  # selection_key -> the backend chosen for it
         self._compiled: OrderedDict[tuple[Any, ...], Future[Any]] = OrderedDict()  # LRU by constraint key
         self._pool: ThreadPoolExecutor | None = None
         self._compile_threads = compile_threads
@@ -106,8 +107,14 @@ class StructuredOutputManager:
     # -- compiling ---------------------------------------------------------------------------------------------
 
     def _backend(self, params: StructuredOutputsParams) -> tuple[str, Any]:
+        key = selection_key(params)
+        name = self._chosen.get(key) if key is not None else None  # selection.py's NOTE: checks cost ~1 ms
+        if name is not None and name in self._backends:
+            return name, self._backends[name]
         selection = select_backend(self.pm, params, self.default_backend)
         name = selection.winner.name
+        if key is not None:
+            self._chosen.put(key, name)
         backend = self._backends.get(name)
         if backend is None:
             cls = selection.load()

@@ -9,13 +9,16 @@ backend whose check passes wins, and every other one is kept with its reasons (S
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.selector import Selection, SelectionError, select
+from pagedllm.structured_output.constraints import constraint_key
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -49,11 +52,55 @@ def structured_outputs_check(
     """The frontends' request-building check, bound to the engine's plugins and its `structured_outputs`
     section: returns the constraint the engine runs (the config's engine-wide options applied), or raises."""
     section = config.structured_outputs
+    passed = KeyCache()
 
     def check(params: StructuredOutputsParams) -> StructuredOutputsParams:
         if section.disable_any_whitespace and not params.disable_any_whitespace:
             params = dataclasses.replace(params, disable_any_whitespace=True)
-        validate_structured_outputs(pm, params, section.backend)
+        key = selection_key(params)
+        if key is None or passed.get(key) is None:
+            validate_structured_outputs(pm, params, section.backend)
+            if key is not None:
+                passed.put(key, True)
         return params
 
     return check
+
+
+def selection_key(params: StructuredOutputsParams) -> tuple[Any, ...] | None:
+    """What a backend's selection and validation depend on: the requested backend and the constraint with
+    its options (None for a constraint that has no key, e.g. a schema JSON cannot write: it is checked anew).
+
+    NOTE: checking a constraint parses it, and xgrammar's check builds its grammar: ~1 ms a JSON schema on
+    the CPU machine, once in the frontend and once more where the engine picks the backend to compile with.
+    Agents send the same few schemas (their tools', their output type) with request after request, and 256
+    concurrent requests of one schema spent ~0.3 s of a 3 s run in these checks before the first step on the
+    H200 host. A constraint that passed is remembered by this key, and a failed one is checked again (its
+    error is raised afresh each time)."""
+    try:
+        return (params.backend, *constraint_key(params))
+    except (TypeError, ValueError):
+        return None
+
+
+class KeyCache:
+    """A bounded map, least recently used out first; safe to share between the frontend's threads."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)

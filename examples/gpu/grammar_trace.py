@@ -32,6 +32,8 @@ class GrammarTrace:
         self.calls: Counter[str] = Counter()
         self.collections: Counter[int] = Counter()
         self.matchers: list[weakref.ref[Any]] = []
+        self.steps: list[tuple[float, float]] = []  # each engine step's (start, end), perf_counter seconds
+        self.run_start = 0.0
         for name in ("_accept_and_fill", "deferred", "_resolve", "advance"):
             self._time(StructuredOutputManager, name, name.strip("_"))
         self._time(GrammarBitmask, "apply", "apply")
@@ -43,6 +45,16 @@ class GrammarTrace:
         ids_fetch = pipelined_step._ids_fetch
         pipelined_step._ids_fetch = lambda *a: self._timed(ids_fetch(*a), "ids wait")  # type: ignore[assignment]
         self._time(EngineCore, "step", "engine step")
+        step = EngineCore.step
+
+        def marked_step(core: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return step(core, *args, **kwargs)
+            finally:
+                self.steps.append((t, time.perf_counter()))
+
+        EngineCore.step = marked_step  # type: ignore[method-assign]
         start, make = AheadWorker.start, XgrammarBackend.make_grammar
 
         def timed_start(worker: Any, task: Callable[[], Any]) -> Callable[[], Any]:
@@ -78,12 +90,15 @@ class GrammarTrace:
         setattr(cls, name, staticmethod(timed) if static else timed)
 
     def start_run(self) -> None:
+        self.steps.clear()
+        self.run_start = time.perf_counter()
         self.seconds.clear()
         self.calls.clear()
         self.collections.clear()
 
     def report(self) -> dict[str, Any]:
-        """The run's figures (call after it ended)."""
+        """The run's figures (call right after it ended: its end is taken as now)."""
+        end = time.perf_counter()
         core, manager = self.core, self.core._structured
         collections = {f"gen{g}": n for g, n in sorted(self.collections.items())}  # before ours, below
         gc.collect()
@@ -92,6 +107,7 @@ class GrammarTrace:
         out: dict[str, Any] = {
             "ms_per_call": {k: round(1e3 * s / self.calls[k], 3) for k, s in self.seconds.items()},
             "calls": dict(self.calls),
+            "timeline_ms": self._timeline(end),
             "gc_collections": collections,
             "rss_mb": rss_mb,
             "matchers_made": len(self.matchers),
@@ -102,3 +118,14 @@ class GrammarTrace:
                        awaiting=len(core._awaiting_grammar),
                        compile_callbacks=sum(len(f._done_callbacks) for f in manager._compiled.values()))
         return out
+
+    def _timeline(self, end: float) -> dict[str, float]:
+        """Where the run's wall time went around the engine steps: before the first, between them, after the
+        last (the frontend's adds and output processing, waits for grammars), against the steps' own."""
+        if not self.steps:
+            return {}
+        gaps = sum(b[0] - a[1] for a, b in zip(self.steps, self.steps[1:]))
+        inside = sum(b - a for a, b in self.steps)
+        return {k: round(1e3 * v, 1) for k, v in (("wall", end - self.run_start), ("in_steps", inside),
+                                                   ("before_first", self.steps[0][0] - self.run_start),
+                                                   ("between", gaps), ("after_last", end - self.steps[-1][1]))}
