@@ -56,6 +56,10 @@ SMOLLM2_CASES = (
     AttentionCase("soft_cap", (60, 0, 30), (1, 40, 45), logits_soft_cap=30.0, **_SMOLLM2),  # type: ignore[arg-type]
     # a head that is not a multiple of the vector width, more query heads per KV head
     AttentionCase("head_40", (20, 0), (1, 23), num_heads=8, num_kv_heads=2, head_size=40, block_size=16),
+    # the tile kernel's tails (paged_attention.c NOTE 5): a head not a multiple of 4, one query head per KV head
+    # (16 lanes), eight (a tile of 128 queries), contexts of several 64-key chunks
+    AttentionCase("head_50", (0, 100), (140, 17), num_heads=4, num_kv_heads=4, head_size=50, block_size=16),
+    AttentionCase("group_8", (0, 5), (40, 20), num_heads=16, num_kv_heads=2, head_size=64, block_size=16),
 )
 
 

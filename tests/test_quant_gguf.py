@@ -326,7 +326,7 @@ def test_smollm2_kept_quantized(default_gguf: str) -> None:
         add_generation_prompt=True,
     )
     prompt = prompt if isinstance(prompt, list) else list(prompt["input_ids"])
-    kept_tokens = greedy(kept, prompt, 40)
+    kept_out = greedy_output(kept, prompt, 40)
     kept_bytes = weight_bytes(kept.core.parts.model)
     kept.shutdown()
 
@@ -334,10 +334,13 @@ def test_smollm2_kept_quantized(default_gguf: str) -> None:
         EngineConfig(model=default_gguf, quantization={"method": "none"}), plugin_manager=plugin_manager()
     )
     dense_out = greedy_output(dense, prompt, 40)
-    dense_tokens = list(dense_out.token_ids)
     params = sum(t.numel() for _, t in dense.core.parts.model.named_parameters())
     dense.shutdown()
-    assert kept_tokens == dense_tokens
+    # NOTE: both run float32 on the same weights (conftest's AVX2 probe), so only the summation order differs
+    # (the C GEMVs and attention against torch's): logprobs agree to ~1e-3, and the runs may part only at a
+    # tie that close. This prompt has one at step 33 (dense: -2.193 against -2.195), which the C attention's
+    # tile kernel (paged_attention.c NOTE 5) tips the other way.
+    assert_same_greedy_up_to_near_tie(kept_out, dense_out, bound=0.01)
 
     fp16_bytes = 2 * params
     print(f"\nSmolLM2 resident weights kept quantized: {kept_bytes / 1e6:.1f} MB "
