@@ -129,7 +129,7 @@ _BATCH_ACCEPT = getattr(xgr.BatchGrammarMatcher, "batch_accept_token", None)
 # examples/gpu/bench_structured.py's schema, a busy Python thread beside, switch interval 0.25 ms), the wrapper
 # took 6.95 ms a batch and the raw call 2.58 ms (2.2-2.4 ms alone, either way). So where xgrammar's binding
 # module is what 0.2.9 ships, the call goes to it directly and the verdicts are read with one membership test
-# (`0 in verdicts`, one FFI call): every token the mask allowed is accepted, so a rejection is a backend bug and
+# (one FFI call that keeps the GIL): every token the mask allowed is accepted, so a rejection is a backend bug and
 # only then is the array read element by element.
 _RAW_ACCEPT = getattr(getattr(getattr(xgr, "base", None), "_core", None), "BatchGrammarMatcher", None)
 _RAW_ACCEPT = getattr(_RAW_ACCEPT, "batch_accept_token", None)
