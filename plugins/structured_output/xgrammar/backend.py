@@ -153,7 +153,7 @@ _CONTAINS = _no_release_contains() if _RAW_ACCEPT is not None else None
 
 def _batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
     """xgrammar's batch accept, its verdicts read as NOTE 3 says."""
-    if _RAW_ACCEPT is None or not all(hasattr(m, "_handle") for m in matchers[:1]):
+    if _RAW_ACCEPT is None or not hasattr(matchers[0], "_handle"):
         assert _BATCH_ACCEPT is not None
         return [bool(ok) for ok in _BATCH_ACCEPT(matchers, tokens)]
     verdicts = _RAW_ACCEPT([m._handle for m in matchers], tokens, False)
