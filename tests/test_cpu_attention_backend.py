@@ -4,7 +4,8 @@ Kernel level: the conformance kit (the torch backend's outputs and cache, slot f
 two steps: the history written, then decodes + fresh prompts + chunks over a cached prefix) in bf16 and
 float32, with the kit's small cases and SmolLM2's heads (9 query / 3 KV heads of 64, pages of 16); then both
 backends against float64 softmax attention computed here from the cache itself, the C kernel no further from it
-than the reference is; threads change no bit. Selection: what check() refuses, and a bf16 CPU engine picking
+than the reference is; threads change no bit; a bf16 cache under float32 queries is the float32 kernel on the
+rounded K/V, bit for bit, on every instruction-set path and in the quantized model's decode kernel. Selection: what check() refuses, and a bf16 CPU engine picking
 it. End to end: a tiny bf16 Llama's greedy tokens equal transformers' own bf16 forward.
 """
 
@@ -263,6 +264,7 @@ def _ctx(**kw: Any) -> AttentionSelectionContext:
         ({"dtype": "float32"}, "a dense float32 model stays on the exact torch backend"),
         ({"dtype": "float16"}, "bfloat16 and float32 only"),
         ({"kv_cache_dtype": "fp8_e4m3"}, "kv cache dtype fp8_e4m3"),
+        ({"kv_cache_dtype": "float16"}, "kv cache dtype float16"),
         ({"sinks": True}, "no attention sinks"),
         ({"chunked_local": True}, "no chunked local attention"),
     ],
@@ -271,6 +273,8 @@ def test_check_refuses_what_it_does_not_implement(change: dict[str, Any], reason
     assert _check(_ctx()) == []
     assert _check(_ctx(sliding_window=True, logits_soft_cap=True, kv_cache_dtype="bfloat16")) == []
     assert _check(_ctx(dtype="float32", exact_reference=False)) == []  # a quantized float32 model
+    assert _check(_ctx(dtype="float32", exact_reference=False, kv_cache_dtype="bfloat16")) == []  # its bf16 cache
+    assert _check(_ctx(kv_cache_dtype="float32")) == []
     assert any(reason in r for r in _check(_ctx(**change)))
 
 
@@ -314,3 +318,127 @@ def test_bf16_greedy_equals_transformers_bf16(tiny_llama: str) -> None:
     llm.shutdown()
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_with(model, p, 12)[0] for p in prompts]
+
+
+# -- a bf16 cache under float32 queries (backend.py NOTE 4, paged_attention.c NOTE 6) --------------------------
+
+
+def _bf16_cache_step(
+    contexts: list[int], queries: list[int], seed: int, hs: int = 64
+) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """_step in float32 with the cache in bf16 (what `kv_cache.cache_dtype: bfloat16` gives a float32 model)."""
+    common, q, k, v, cache, tables = _step(contexts, queries, torch.float32, seed=seed, hs=hs)
+    return common, q, k, v, cache.to(torch.bfloat16), tables
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as a bf16 cache stores it, back in float32 (round to nearest even: torch's .to(torch.bfloat16))."""
+    return x.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (40, None), (None, 20.0)])
+def test_a_bf16_cache_is_the_float32_kernel_on_the_rounded_values(window: int | None, soft_cap: float | None) -> None:
+    """float32 queries over a bf16 cache: every K/V row written rounded as torch rounds it (the torch backend's
+    write, slot for slot), and the output bit for bit the float32 kernel's on a float32 cache holding the same
+    rounded values (rows widened exactly, summed in the same order) -- decodes, a fresh prompt and a chunk over a
+    cached prefix, both the row kernel and the tile kernel; then within float32 rounding of float64 attention
+    over the bf16 cache itself."""
+    contexts, queries = [300, 17, 64, 0, 90], [1, 1, 1, 150, 61]
+    common, q, k, v, cache, tables = _bf16_cache_step(contexts, queries, seed=7)
+    layer = AttentionLayerConfig(9, 64, 3, 64**-0.5, window, soft_cap)
+    impl = CpuAttentionBackend.make_impl(layer)
+    md = CpuAttentionBackend.build_metadata(common)
+    ref_cache, f32_cache = cache.clone(), cache.float()
+    got = impl.forward(q, k, v, cache, md)
+    TorchSDPABackend.make_impl(layer).forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    assert torch.equal(cache, ref_cache)  # the same bf16 K/V rows at the same slots
+    same = impl.forward(q, _rounded(k), _rounded(v), f32_cache, md)
+    assert torch.equal(f32_cache.to(torch.bfloat16), cache)
+    assert got.dtype == torch.float32 and torch.equal(got, same)
+    exact = _float64_attention(q, cache, tables, contexts, queries, layer.scale, window, soft_cap)
+    assert (got.double() - exact).abs().max().item() < 1e-5
+
+
+def test_a_bf16_cache_costs_what_rounding_k_and_v_costs() -> None:
+    """Against float64 attention over the float32 K/V (before rounding): the bf16 cache's error is that of
+    bf16 K/V (~2^-9 relative), far above float32's and far below a wrong result."""
+    contexts, queries = [300, 0, 90], [1, 150, 61]
+    common, q, k, v, cache32, tables = _step(contexts, queries, torch.float32, seed=9)
+    layer = AttentionLayerConfig(9, 64, 3, 64**-0.5)
+    impl = CpuAttentionBackend.make_impl(layer)
+    cache16 = cache32.to(torch.bfloat16)
+    got32 = impl.forward(q, k, v, cache32, CpuAttentionBackend.build_metadata(common))
+    got16 = impl.forward(q, k, v, cache16, CpuAttentionBackend.build_metadata(common))
+    exact = _float64_attention(q, cache32, tables, contexts, queries, layer.scale, None, None)
+    err32, err16 = (got32.double() - exact).abs().max().item(), (got16.double() - exact).abs().max().item()
+    assert err32 < 1e-5 and 1e-5 < err16 < 2e-2, (err32, err16)
+
+
+def test_a_bf16_cache_under_float32_decodes_runs_the_quantized_models_kernel() -> None:
+    """Decode-only float32 steps with the gguf method's C ops run cpu_ops.c's decode kernel over a bf16 cache too
+    (the kernel a model's one-token plan runs), bit for bit that kernel on a float32 cache of the rounded values,
+    and within float32 rounding of float64 attention over the bf16 cache."""
+    from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("no fused CPU ops")
+    contexts, queries = [70, 33, 120, 5], [1, 1, 1, 1]
+    common, q, k, v, cache, tables = _bf16_cache_step(contexts, queries, seed=5)
+    with_ops = CpuAttentionBackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125, cpu_ops=ops))
+    md = CpuAttentionBackend.build_metadata(common)
+    decodes = with_ops.c_decode_step(q, k, v, cache, md)
+    assert decodes is not None
+    ref_cache, f32_cache = cache.clone(), cache.float()
+    got = with_ops.forward(q, k, v, cache, md)
+    TorchSDPABackend.make_impl(AttentionLayerConfig(9, 64, 3, 0.125)).forward(
+        q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    assert torch.equal(cache, ref_cache)
+    same = ops.decode_attention(q, _rounded(k), _rounded(v), f32_cache, decodes.slot_mapping, decodes.block_table,
+                                decodes.seq_lens, 0.125, None, None)
+    assert torch.equal(got, same)
+    exact = _float64_attention(q, cache, tables, contexts, queries, 0.125, None, None)
+    assert (got.double() - exact).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("isa", list(_ISA_FLAGS))
+def test_every_instruction_set_path_reads_a_bf16_cache(isa: str) -> None:
+    """The portable paths (AVX-512 without BF16, AVX2, plain C) read a bf16 cache under float32 queries as the
+    native build does: the same written cache, outputs within float32 rounding."""
+    import ctypes
+    import platform
+
+    from pagedllm.api.kernels import load_native
+    from pagedllm.plugins.attention.cpu import paged_attention as pa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction sets")
+    flags = [f for f in pa.FLAGS if f != "-march=native"] + _ISA_FLAGS[isa]
+    lib, why = load_native(pa.SOURCE, flags, pa.DISABLE_ENV, "nothing")
+    assert lib is not None, why
+    contexts, queries = [100, 7, 0, 40], [1, 1, 50, 21]
+    common, q, k, v, cache, _ = _bf16_cache_step(contexts, queries, seed=11, hs=40)  # a head with a tail
+    layer = AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0)
+    native, other = CpuAttentionBackend.make_impl(layer), CpuAttentionBackend.make_impl(layer)
+    fn = lib.cpu_paged_attention
+    fn.argtypes, fn.restype = native._fn.argtypes, ctypes.c_int  # type: ignore[attr-defined]
+    other._fn = fn
+    md = CpuAttentionBackend.build_metadata(common)
+    cache2 = cache.clone()
+    got = other.forward(q, k, v, cache, md)
+    want = native.forward(q, k, v, cache2, md)
+    assert torch.equal(cache, cache2)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_bf16_model_may_keep_a_float32_cache() -> None:
+    """The other mix (`kv_cache.cache_dtype: float32` under a bf16 model): rows widened as they are written,
+    the output the bf16 kernel's within bf16 rounding of float64 attention over that cache."""
+    contexts, queries = [80, 0], [1, 40]
+    common, q, k, v, cache, tables = _step(contexts, queries, torch.bfloat16, seed=4)
+    cache = cache.float()
+    layer = AttentionLayerConfig(9, 64, 3, 0.125)
+    got = CpuAttentionBackend.make_impl(layer).forward(q, k, v, cache, CpuAttentionBackend.build_metadata(common))
+    assert got.dtype == torch.bfloat16
+    exact = _float64_attention(q, cache, tables, contexts, queries, 0.125, None, None)
+    assert (got.double() - exact).abs().max().item() < 2e-2

@@ -1,9 +1,10 @@
-"""The CPU's compute dtype and GGUF batch GEMM, chosen from the processor's flags (core/platform/).
+"""The CPU's compute dtype, GGUF batch GEMM and KV-cache dtype, chosen from the processor's flags (core/platform/).
 
 The rule is tested on faked /proc/cpuinfo text (AMX, AVX512-BF16 only, AVX2 only), then through the engine
 build with the probe faked, then for what bf16 costs in accuracy: teacher-forced top-1 agreement of the
 embedded SmolLM2 in bf16 with the same weights in float32 (transformers' float32 equality is held by the
-rest of the suite, whose conftest.py makes the probe report an AVX2-only CPU, and by the test here).
+rest of the suite, whose conftest.py makes the probe report an AVX2-only CPU, and by the test here); the same
+for the kept-quantized model with a bf16 KV cache, alone and with the bf16 batch GEMMs (the default on bf16 CPUs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tiny_models import hf_greedy, make_tiny_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.platform.cpu_compute import (
     choose_cpu_dtype,
+    choose_cpu_kv_cache_dtype,
     choose_gguf_batch_gemm,
     default_num_threads,
     dense_weight_bytes,
@@ -124,6 +126,27 @@ def test_dense_weight_bytes_counts_smollm2() -> None:
     assert dense_weight_bytes(object(), 2) is None
 
 
+@pytest.mark.parametrize(
+    ("requested", "dtype", "quantization", "flags", "kernels", "expected", "says"),
+    [
+        # cpu_compute.py NOTE 5: bf16 where the model's batch GEMMs already are
+        ("auto", "float32", "gguf", _AVX512_BF16, "auto", "bfloat16", "bfloat16 for a float32 model kept quantized"),
+        ("auto", "float32", "gguf", _AVX2, "bf16", "bfloat16", "bf16 batch GEMMs"),
+        ("auto", "float32", "gguf", _AVX2, "auto", "auto", "no AMX-BF16 or AVX512-BF16"),
+        ("auto", "float32", "gguf", _AMX, "quantized", "auto", "cpu_kernels: quantized"),
+        ("auto", "float32", "none", _AMX, "auto", "auto", "dense float32 model keeps a float32 cache"),
+        ("auto", "bfloat16", "none", _AMX, "auto", "auto", "the model's bfloat16"),
+        ("float32", "float32", "gguf", _AMX, "auto", "float32", "(config)"),
+        ("bfloat16", "float32", "none", _AVX2, "auto", "bfloat16", "(config)"),
+    ],
+)
+def test_the_kv_cache_dtype_follows_the_batch_gemms_and_the_config(
+    requested: str, dtype: str, quantization: str, flags: str, kernels: Any, expected: str, says: str
+) -> None:
+    choice = choose_cpu_kv_cache_dtype(requested, dtype, quantization, parse_cpuinfo(_cpuinfo(flags)), kernels)
+    assert choice.value == expected and says in choice.reason, choice
+
+
 # -- through the engine build ---------------------------------------------------------------------------------
 
 
@@ -169,6 +192,33 @@ def test_config_show_resolve_explains_the_dtype(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "# device: cpu, dtype: bfloat16 (dtype auto: the CPU has AVX512-BF16" in out
+
+
+def test_the_default_gguf_engine_keeps_a_bf16_cache_and_says_why(
+    default_gguf: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a bf16 CPU the kept-quantized default model's KV cache is bf16 (half the bytes a block), the resolved
+    config and the start-up description say so; with the `cpu` backend off no backend takes a bf16 cache under
+    float32, so it falls back to float32 with the backends' reasons."""
+    _fake_probe(monkeypatch, _AVX512_BF16)
+    sizes = {}
+    for cpu_attention in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_CPU_ATTENTION", cpu_attention)
+        llm = LLM(default_gguf, device="cpu", num_kv_blocks=32, max_model_len=256)
+        parts = llm.engine.parts
+        kv = parts.runner.kv_caches
+        cache = next(iter(kv.values())) if isinstance(kv, dict) else kv[0]
+        described = parts.describe()
+        if cpu_attention == "1":
+            assert cache.dtype == torch.bfloat16 and parts.config.kv_cache.cache_dtype == "bfloat16"
+            assert parts.selections["attention"].winner.name == "cpu"
+            assert "kv_cache.cache_dtype auto: bfloat16 for a float32 model kept quantized" in described
+        else:
+            assert cache.dtype == torch.float32 and parts.config.kv_cache.cache_dtype == "auto"
+            assert "but no attention backend takes it" in described and "PAGEDLLM_CPU_ATTENTION=0" in described
+        sizes[cpu_attention] = cache.element_size()
+        llm.shutdown()
+    assert sizes == {"1": 2, "0": 4}
 
 
 def test_float32_greedy_still_equals_transformers(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,7 +274,15 @@ def smollm2_top1(default_gguf: str) -> dict[str, tuple[list[int], list[int]]]:
     modes: dict[str, dict[str, Any]] = {
         "float32": {"dtype": "float32", "quantization": "none"},
         "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
-        "gguf bf16 batches": {"dtype": "float32", "quantization": "gguf", "cpu_kernels": "bf16"},
+        # each kept-quantized mode with its KV cache dtype named (auto would pick bf16 with bf16 GEMMs: NOTE 5)
+        "gguf float32": {"dtype": "float32", "quantization": "gguf", "cpu_kernels": "quantized",
+                         "kv_cache_dtype": "float32"},
+        "gguf bf16 batches": {"dtype": "float32", "quantization": "gguf", "cpu_kernels": "bf16",
+                              "kv_cache_dtype": "float32"},
+        "gguf bf16 kv cache": {"dtype": "float32", "quantization": "gguf", "cpu_kernels": "quantized",
+                               "kv_cache_dtype": "bfloat16"},
+        # the default on a bf16 CPU: bf16 batch GEMMs and (kv_cache.cache_dtype auto) a bf16 KV cache
+        "gguf default on bf16 units": {"dtype": "float32", "quantization": "gguf", "cpu_kernels": "bf16"},
     }
     results: dict[str, tuple[list[int], list[int]]] = {}
     for name, kwargs in modes.items():
@@ -254,6 +312,17 @@ def test_gguf_bf16_batch_gemm_top1_agrees_with_float32(
     # Against the dequantized float32 model: the same weights (the blocks' exact values) in float32 throughout.
     # Measured 2026-12-01: 99.3 % (300 of 302; the kept-quantized float32 kernels: 302 of 302).
     assert _agreement(smollm2_top1["gguf bf16 batches"][0], smollm2_top1["float32"][0]) >= AGREEMENT_MIN
+
+
+def test_gguf_bf16_kv_cache_top1_agrees_with_float32(smollm2_top1: dict[str, tuple[list[int], list[int]]]) -> None:
+    # A bf16 KV cache (cpu_compute.py NOTE 5) under the float32 kernels, and with the bf16 batch GEMMs (what a
+    # bf16 CPU runs by default), against the dequantized float32 model. Measured 2026-12-02 (302 positions):
+    # the float32 kernels 302, with the bf16 cache 302 (100 %); bf16 GEMMs with it 301 (99.7 %; with a float32
+    # cache 302 in that run). The rule is >= 99 %.
+    for mode in ("gguf float32", "gguf bf16 kv cache", "gguf default on bf16 units"):
+        assert _agreement(smollm2_top1[mode][0], smollm2_top1["float32"][0]) >= AGREEMENT_MIN, mode
+    # and the cache's rounding alone, against the same kernels with a float32 cache
+    assert _agreement(smollm2_top1["gguf bf16 kv cache"][0], smollm2_top1["gguf float32"][0]) >= AGREEMENT_MIN
 
 
 def test_the_agreement_is_not_vacuous(smollm2_top1: dict[str, tuple[list[int], list[int]]]) -> None:

@@ -277,3 +277,47 @@ def test_top_k_refuses_a_k_it_cannot_hold(ops: Any) -> None:
     for k in (0, 65, 11):
         with pytest.raises(ValueError, match="cpu_top_k"):
             ops.top_k(torch.zeros(2, 10), k)
+
+
+# -- a bf16 KV cache (cpu_ops.c NOTE 9) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [[], ["-march=x86-64"]])  # native (AVX2 lanes), and the plain C path
+def test_decode_attention_over_a_bf16_cache(ops: Any, flags: list[str]) -> None:
+    """The decode kernel on a bf16 cache: the new K/V rows written rounded as torch rounds them, the output bit
+    for bit the float32 kernel's on a float32 cache of the same rounded values, within float32 rounding of the
+    torch backend's float32 decode over those values -- on threads, and built without AVX2."""
+    from pagedllm.api.kernels import load_native
+
+    kernel = ops
+    if flags:
+        lib, why = load_native(cpu_ops_module.SOURCE, [f for f in cpu_ops_module.FLAGS if f != "-march=native"] + flags,
+                               "PAGEDLLM_CPU_OPS", "nothing")
+        assert lib is not None, why
+        kernel = cpu_ops_module.CpuOps(lib)
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(13)
+    lens = [200 + 13 * i for i in range(12)]  # > 2^20 multiply-adds: shared out over threads (NOTE 6)
+    blocks, next_block = [], 1
+    for n in lens:
+        count = -(-n // bs)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(next_block, bs, kv_heads, hd), generator=gen)
+    q = torch.randn(len(lens), heads, hd, generator=gen)
+    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
+    common = _decode_step(lens, blocks, bs)
+    slots = common.slot_mapping.to(torch.int64).contiguous()
+    table = common.block_table.to(torch.int32).contiguous()
+    seq_lens = common.seq_lens_cpu.to(torch.int32).contiguous()
+    bf16, f32 = cache.to(torch.bfloat16), cache.to(torch.bfloat16).float()
+    kr, vr = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    got = kernel.decode_attention(q, k, v, bf16, slots, table, seq_lens, hd**-0.5, None, None, threads=2)
+    same = kernel.decode_attention(q, kr, vr, f32, slots, table, seq_lens, hd**-0.5, None, None, threads=1)
+    assert torch.equal(bf16.float(), f32)  # the new rows rounded to nearest even, at the same slots
+    assert torch.equal(got, same)
+    layer = AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None)
+    ref = TorchSDPABackend.make_impl(layer).forward(q, kr, vr, f32.clone(), TorchSDPABackend.build_metadata(common))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.decode_attention(q, k, v, cache.half(), slots, table, seq_lens, hd**-0.5, None, None)

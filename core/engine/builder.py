@@ -33,6 +33,7 @@ from pagedllm.kv_cache.kv_cache_manager import KVCacheManager
 from pagedllm.layers.fused_ops import building
 from pagedllm.platform.cpu_compute import (
     available_memory_bytes,
+    choose_cpu_kv_cache_dtype,
     choose_gguf_batch_gemm,
     default_num_threads,
     dense_weight_bytes,
@@ -220,6 +221,11 @@ def build_engine_parts(
     source = _load_model_info(config, pm)
     split = _check_pipeline_split(config, pm, source) if config.parallel.pipeline_parallel_size > 1 else None
     comps = _select_components(config, pm, source, tp_size, plugin_sections)
+    if comps.kv_cache_dtype != config.kv_cache.cache_dtype:
+        # `kv_cache.cache_dtype: auto` resolved on the CPU (cpu_compute.py NOTE 5): the KV plan, the CPU sizing and
+        # EngineParts.config take the resolved dtype.
+        config = config.model_copy(update={
+            "kv_cache": config.kv_cache.model_copy(update={"cache_dtype": comps.kv_cache_dtype})})
     model = _build_and_load_model(config, source, comps, tp_rank, tp_size, pp_rank)
     clock("model and weights")
     sizing_notes: tuple[str, ...] = ()
@@ -312,6 +318,7 @@ class _Components:
     block_size: int  # the config's (kv_cache.block_size)
     selections: dict[str, Selection]
     compute_notes: tuple[str, ...] = ()  # EngineParts.compute_notes
+    kv_cache_dtype: str = "auto"  # kv_cache.cache_dtype as resolved (on the CPU `auto` may become bfloat16)
 
 
 def _select_components(
@@ -329,7 +336,15 @@ def _select_components(
     if device.type == "cpu":
         notes = (resolve_cpu_dtype(config.dtype, quant_sel.winner.name, cpu_features()).reason, *notes)
     dense = quant_sel.winner.name == "none"
-    attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense)
+    kv_cache_dtype = config.kv_cache.cache_dtype
+    if device.type == "cpu":
+        kv_choice = choose_cpu_kv_cache_dtype(kv_cache_dtype, str(dtype).removeprefix("torch."), quant_sel.winner.name,
+                                              cpu_features(), config.cpu_kernels)
+        attention_sel, kv_cache_dtype, kv_note = _select_attention_for_cache(
+            config, pm, hf_config, model_cls, device, dtype, dense, kv_choice.value, kv_choice.reason)
+        notes = (*notes, kv_note)
+    else:
+        attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, kv_cache_dtype)
     backend = attention_sel.load()
     configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
     if configure is not None:
@@ -338,7 +353,7 @@ def _select_components(
     selections = {"model": model_sel, "attention": attention_sel, "quantization": quant_sel, **dense_sel}
     kernels = _kernel_options(config, quant_config, device, dtype)
     return _Components(model_cls, backend, quant_config, dense_config, kernels, device, dtype,
-                       config.kv_cache.block_size, selections, notes)
+                       config.kv_cache.block_size, selections, notes, kv_cache_dtype)
 
 
 def _select_dense(config: EngineConfig, pm: PluginManager, quant_sel: Selection) -> tuple[dict[str, Selection], Any]:
@@ -368,9 +383,28 @@ def _kernel_options(config: EngineConfig, quant_config: Any, device: torch.devic
     return KernelOptions(fused_ops="auto" if config.fused_ops else "off", cpu_ops=cpu_ops)
 
 
+def _select_attention_for_cache(
+    config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
+    dtype: torch.dtype, dense: bool, kv_cache_dtype: str, reason: str,
+) -> tuple[Selection, str, str]:
+    """The attention backend for the CPU's KV-cache dtype choice, the dtype kept and why. A dtype `auto` chose
+    (not the config) that no backend takes -- e.g. bf16 under a float32 model with the `cpu` backend turned off
+    -- falls back to the model's, with the backends' reasons; one the config names is validated strictly."""
+    chosen = kv_cache_dtype != config.kv_cache.cache_dtype
+    try:
+        return _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, kv_cache_dtype), \
+            kv_cache_dtype, reason
+    except SelectionError as exc:
+        if not chosen:
+            raise
+        fallback = config.kv_cache.cache_dtype
+        selection = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, fallback)
+        return selection, fallback, f"{reason}; but no attention backend takes it ({exc}): the model's dtype"
+
+
 def _select_attention(
     config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
-    dtype: torch.dtype, dense: bool,
+    dtype: torch.dtype, dense: bool, kv_cache_dtype: str,
 ) -> Selection:
     num_attention_heads = getattr(hf_config, "num_attention_heads", None)
     if num_attention_heads:
@@ -383,7 +417,7 @@ def _select_attention(
         device_type=device.type,
         compute_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         dtype=str(dtype).removeprefix("torch."),
-        kv_cache_dtype=config.kv_cache.cache_dtype,
+        kv_cache_dtype=kv_cache_dtype,
         head_size=head_size,
         block_size=config.kv_cache.block_size,
         sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),

@@ -1,6 +1,6 @@
 """The CPU's compute defaults, chosen from what the processor has (platform/cpu_features.py).
 
-Two choices, each returned with the reason `pagedllm config show --resolve` and the start-up log print:
+Three choices, each returned with the reason `pagedllm config show --resolve` and the start-up log print:
 
 1. The compute dtype for `dtype: auto` on the CPU: bfloat16 where the CPU has bf16 dot products (AMX-BF16 or
    AVX512-BF16), float32 otherwise. Weights, activations and the KV cache then share that dtype; oneDNN runs
@@ -9,6 +9,9 @@ Two choices, each returned with the reason `pagedllm config show --resolve` and 
    batches of >= 16 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load where the CPU has bf16
    dot products and the copy fits (NOTE 3), else the matrix dequantized to float32 per call; on request an int8
    GEMM on an int8 copy (NOTE 4); decode (fewer rows) stays on gguf_cpu.c's kernels.
+3. The KV cache's dtype for `kv_cache.cache_dtype: auto` (NOTE 5): bfloat16 for a float32 model kept
+   quantized whose large products already run bf16 (choice 2 on bf16 hardware), the model's dtype otherwise;
+   its attention reads the bf16 cache and computes in float32.
 
 NOTE 1: measured on an AMD EPYC (Zen 4: AVX512-BF16, no AMX; 2 cores, loaded), 2026-12-01: torch's bf16 GEMM
 ran 1.8-3.6x its float32 GEMM at SmolLM2's shapes for 32-256 rows, but one-row bf16 products carry ~40 us of
@@ -34,6 +37,16 @@ bf16 (max|x| / 254 of a 32-block against 2^-9 of each value), and SmolLM2's teac
 float32 on 292 of 302 positions (96.7 %, bf16: 300) -- below the 99 % that `auto` holds its kernels to
 (tests/test_cpu_dtype.py, tests/test_gguf_int8_gemm.py). Activations rounded to 16 bits as two int8 halves
 (int8_gemm.c NOTE 4) agree but ran 0.83-1.1x the bf16 GEMM, so they are not used.
+NOTE 5: `kv_cache.cache_dtype: auto` (KV_CACHE_BF16_FOR_QUANTIZED). A batch's decode attention reads every
+request's whole context every step, from memory (the cache does not stay in L3 behind the weights): SmolLM2's
+128-request batch read the float32 cache at ~31 of the machine's ~40 GB/s. A bf16 cache halves those bytes;
+the `cpu` attention backend's kernels round K/V to bf16 as they write them and widen them in registers as
+they read them (plugins/attention/cpu/backend.py NOTE 4). Only where the model already rounds to bf16: a
+quantized float32 model whose batch GEMMs are bf16 (`cpu_kernels` auto on bf16 units, or bf16 / int8), so the
+cache adds rounding of the size its prefill products have; `cpu_kernels: quantized` (float32 throughout), a CPU
+without bf16 units, and a dense float32 model (greedy tokens equal transformers') keep a float32 cache; a bf16
+model's cache is bf16 already. The kernels need no bf16 units (the widening is a shift). Teacher-forced top-1 and the timings behind the default are in docs/cpu.md ("A bf16 KV cache");
+tests/test_cpu_dtype.py holds the top-1 agreement to >= 99 %. `kv_cache.cache_dtype: float32` keeps float32.
 NOTE 2: the bf16 copy costs memory: SmolLM2-135M's Q4_1 weights (97 MB) gain 270 MB. It is made only when it
 takes at most half the memory available at start-up, so a model that fits only quantized still loads.
 """
@@ -52,6 +65,8 @@ CpuKernels = Literal["auto", "quantized", "bf16", "int8"]
 DEQUANTIZED_MEMORY_SHARE = 0.5
 # NOTE 4: the int8 copy's size against the bf16 copy's: a byte a weight and two float32 per 32 (1.25 / 2).
 INT8_COPY_SHARE = 0.625
+# NOTE 5: whether `kv_cache.cache_dtype: auto` stores a quantized float32 model's K/V in bf16.
+KV_CACHE_BF16_FOR_QUANTIZED = True
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,42 @@ def choose_gguf_batch_gemm(
         "bfloat16",
         f"{why}: products of >= 16 rows run bf16 GEMMs on a bf16 copy of the weights made at load; decode stays on "
         "the GGUF C kernels",
+    )
+
+
+def choose_cpu_kv_cache_dtype(
+    requested: str, dtype: str, quantization: str, features: CPUFeatures, cpu_kernels: CpuKernels
+) -> CpuChoice:
+    """The CPU KV cache's dtype (NOTE 5): 'auto' (the model's) or a dtype name, with why.
+
+    :param requested: the config's `kv_cache.cache_dtype` (normalised: 'auto', 'bfloat16', 'float32', ...).
+    :param dtype: the model's compute dtype ('float32', 'bfloat16').
+    :param quantization: the chosen quantization method's name ('none' for a dense model).
+    :param cpu_kernels: the config's `cpu_kernels` (the batch GEMM of a GGUF model kept quantized).
+    """
+    if requested != "auto":
+        return CpuChoice(requested, f"kv_cache.cache_dtype: {requested} (config)")
+    if dtype != "float32":
+        return CpuChoice("auto", f"kv_cache.cache_dtype auto: the model's {dtype}")
+    if quantization == "none":
+        return CpuChoice(
+            "auto", "kv_cache.cache_dtype auto: a dense float32 model keeps a float32 cache (its greedy tokens are "
+            "transformers')",
+        )
+    if not KV_CACHE_BF16_FOR_QUANTIZED:
+        return CpuChoice("auto", f"kv_cache.cache_dtype auto: float32 for quantization {quantization} (NOTE 5)")
+    if cpu_kernels == "quantized":
+        return CpuChoice("auto", "kv_cache.cache_dtype auto: float32 with cpu_kernels: quantized (float32 throughout)")
+    if cpu_kernels == "auto" and not features.bf16_matrix_units:
+        return CpuChoice(
+            "auto", f"kv_cache.cache_dtype auto: float32 (no AMX-BF16 or AVX512-BF16 on this CPU: the batch GEMMs "
+            f"stay float32 too; {features.summary()})",
+        )
+    return CpuChoice(
+        "bfloat16",
+        f"kv_cache.cache_dtype auto: bfloat16 for a float32 model kept quantized ({quantization}) with bf16 batch "
+        "GEMMs: half the bytes a decode step's attention reads, computed in float32 (NOTE 5; "
+        "kv_cache.cache_dtype: float32 keeps float32)",
     )
 
 

@@ -63,7 +63,8 @@ class CpuFusedOps(Protocol):
     norm_fn: Any  # cpu_add_rms_norm(x, residual, w, eps, gemma, rows, h, out, residual_out)
     rotary_fn: Any  # cpu_rotary_neox(q, q_row, q_heads, k, k_row, k_heads, head, rows, pos, cos, sin, half)
     silu_fn: Any  # cpu_silu_and_mul(x, rows, d, out)
-    attn_fn: Any  # cpu_decode_attention(..., threads): write each decode's K/V row, then attend (0, or an error code)
+    attn_fn: Any  # cpu_decode_attention(..., threads, kv_bf16): write each decode's K/V row, then attend (0, or an
+    # error code); kv_bf16 = the cache holds bf16 (the queries and outputs stay float32)
     # Optional: `bind_decode_step(spec) -> Callable`, a Llama model's whole one-token decode step as one C call
     # (the gguf plugin's cpu_ops.py documents the spec: per layer the norms, attention parameters, KV cache and
     # each linear's `row_matmul_c_calls`; the scratch buffers and shapes).

@@ -30,8 +30,9 @@ def _check(ctx: AttentionSelectionContext) -> list[str]:
         reasons.append("a dense float32 model stays on the exact torch backend (quantized float32 ones run here)")
     elif ctx.dtype not in ("bfloat16", "float32"):
         reasons.append(f"bfloat16 and float32 only (dtype {ctx.dtype})")
-    if ctx.kv_cache_dtype not in ("auto", ctx.dtype):
-        reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (the model dtype only)")
+    if ctx.kv_cache_dtype not in ("auto", "bfloat16", "float32"):
+        # bf16 and float32 caches under either model dtype (backend.py NOTE 4)
+        reasons.append(f"kv cache dtype {ctx.kv_cache_dtype} not supported (bfloat16 or float32)")
     if ctx.sinks:
         reasons.append("no attention sinks")
     if ctx.chunked_local:

@@ -24,6 +24,10 @@ of every row, and a decode step's cache rows come from memory behind the weights
 GGUF, 32 decodes a step at 32..320 tokens, 2 threads, quiet machine, 2026-12-02, A B A B in one process):
 46-50 ms a decode step with it, 62-65 ms with paged_attention.c (52-55 ms on one thread). Steps with prompts
 or chunks run paged_attention.c (the torch backend's SDPA took ~5x as long for 8 fresh prompts).
+NOTE 4: the cache may hold bf16 under a float32 model (`kv_cache.cache_dtype: bfloat16`, what `auto` picks for
+a model kept quantized on the CPU: platform/cpu_compute.py NOTE 5): both C kernels round each new K/V row to
+bf16 as they write it and widen cache rows to float32 as they read them, so a step reads half the bytes; the
+queries, scores and outputs stay float32 (paged_attention.c NOTE 6, cpu_ops.c NOTE 9).
 """
 
 from __future__ import annotations
@@ -98,10 +102,11 @@ class CpuAttentionImpl:
     ) -> torch.Tensor:
         """Write key/value at metadata's slots, then attend causally over each request's whole context."""
         dtype = query.dtype
-        if dtype not in _DTYPES or kv_cache.dtype != dtype or key.dtype != dtype or value.dtype != dtype:
+        if dtype not in _DTYPES or key.dtype != dtype or value.dtype != dtype or kv_cache.dtype not in _DTYPES:
             raise ValueError(
-                f"the cpu attention backend takes bfloat16 or float32 query, key, value and KV cache of one dtype; "
-                f"got {query.dtype}, {key.dtype}, {value.dtype} and a {kv_cache.dtype} cache"
+                f"the cpu attention backend takes bfloat16 or float32 query, key and value of one dtype and a "
+                f"bfloat16 or float32 KV cache; got {query.dtype}, {key.dtype}, {value.dtype} and a "
+                f"{kv_cache.dtype} cache"
             )
         if query.device.type != "cpu" or not kv_cache.is_contiguous():
             raise ValueError("the cpu attention backend needs CPU tensors and a contiguous KV cache")
@@ -123,7 +128,8 @@ class CpuAttentionImpl:
             kv_cache.data_ptr(), num_blocks, block_size, self.num_kv_heads, hs, self.num_heads,
             md.slot_mapping.data_ptr(), md.common.num_actual_tokens, md.query_start_loc.data_ptr(),
             md.seq_lens.data_ptr(), md.block_table.data_ptr(), md.block_table.stride(0), md.common.num_reqs,
-            self.scale, self.window, self.soft_cap, int(dtype == torch.bfloat16), out.data_ptr(),
+            self.scale, self.window, self.soft_cap, int(dtype == torch.bfloat16), int(kv_cache.dtype == torch.bfloat16),
+            out.data_ptr(),
             torch.get_num_threads(), MIN_WORK_PER_THREAD,
         )
         if rc == -1:
@@ -143,19 +149,21 @@ class CpuAttentionImpl:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
     ) -> CommonAttentionMetadata | None:
         """The step's common metadata, with the tables the C decode kernel reads, when this step's attention is
-        `cpu_ops`' decode kernel (float32 decodes only, NOTE 3); None when it runs paged_attention.c."""
+        `cpu_ops`' decode kernel (float32 decodes, a float32 or bf16 cache: NOTE 3, 4); None when it runs
+        paged_attention.c."""
         if self.cpu_ops is None or type(metadata) is not CpuAttentionMetadata or metadata.decodes_only is None:
             return None
         if query.shape[0] != metadata.rows:
             return None
-        if not query.dtype == key.dtype == value.dtype == kv_cache.dtype == torch.float32:
+        if not query.dtype == key.dtype == value.dtype == torch.float32 or kv_cache.dtype not in _DTYPES:
             return None
         return metadata.decodes_only
 
 
 class CpuAttentionBackend:
-    """Paged attention in C for CPU tensors (bf16 or float32): decodes and chunked prefill, GQA, sliding window,
-    soft-cap. No sinks, no chunked local attention, no fp8 cache (the registration check refuses them)."""
+    """Paged attention in C for CPU tensors (bf16 or float32, the cache in either: NOTE 4): decodes and chunked
+    prefill, GQA, sliding window, soft-cap. No sinks, no chunked local attention, no fp8 cache (the
+    registration check refuses them)."""
 
     name: ClassVar[str] = "cpu"
 

@@ -5,7 +5,8 @@
  *   cpu_paged_attention   K/V write at slot_mapping, then causal attention (sliding window, soft-cap) per request
  *
  * Layouts (the torch backend's, so the two read each other's caches):
- *   cache      [2, num_blocks, bs, nkv, head]  K then V, bf16 or float32 (`bf16` says which; q, k, v and out too)
+ *   cache      [2, num_blocks, bs, nkv, head]  K then V, bf16 or float32 (`kv_bf16` says which, NOTE 6)
+ *   q, k, v, out  bf16 or float32 (`bf16` says which)
  *   q / out    T rows of nh * head elements, row strides qs / nh * head; k and v rows of nkv * head, strides ks, vs
  *   qsl [B+1]  int32 query_start_loc; seq_lens [B] int32; block_table [B, bts] int32; slots [T] int64
  *
@@ -39,6 +40,10 @@
  * order than attend_item's. SmolLM2's heads, 14 fresh prompts of 32..256 tokens (2198 rows), one layer, min
  * of 20, 2026-12-02, load ~0.2: float32 4.3 -> 3.3 ms on 2 threads (6.35 ms on one: 36 G useful
  * multiply-adds/s, ~70 % of a Zen 4 core's float32 FMA peak); bf16 3.5 -> 2.9 ms.
+ * NOTE 6: the cache's dtype is its own (kv_cache.cache_dtype): a float32 model may keep a bf16 cache (half the
+ * bytes every step reads; the K/V rows rounded to nearest even as they are written, as torch's .to() rounds),
+ * and a bf16 model a float32 one. Cache rows are widened to float32 in registers as they are read (exact);
+ * AVX512-BF16's dpbf16 takes the scores only when the queries are bf16 too (a float32 query is not rounded).
  */
 #include <math.h>
 #include <omp.h>
@@ -111,6 +116,10 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* How the scores multiply (dot4, dot_bf16) (NOTE 6): float32 keys; bf16 keys and a bf16 query (AVX512-BF16's dot products); bf16
+ * keys widened against a float32 query. */
+enum { DOT_F32 = 0, DOT_BF16_PAIRS = 1, DOT_BF16_KEYS = 2 };
+
 /* q . k over n elements: q is float32 (the query row, widened once per tile), k a cache row */
 static inline float dot_f32(const float *q, const float *k, int64_t n) {
     int64_t i = 0;
@@ -128,27 +137,33 @@ static inline float dot_f32(const float *q, const float *k, int64_t n) {
     return s;
 }
 
-/* q . k for bf16 rows; qf is the same query widened to float32 (used off AVX512-BF16 and for tails) */
-static inline float dot_bf16(const uint16_t *q, const float *qf, const uint16_t *k, int64_t n) {
+/* q . k for a bf16 cache row k; qf is the query in float32. With `qb` (the query itself is bf16, q) the pairs go
+ * through AVX512-BF16's dot products where the CPU has them; otherwise (and for tails) k is widened (NOTE 6). */
+static inline float dot_bf16(const uint16_t *q, const float *qf, const uint16_t *k, int64_t n, int qb) {
     int64_t i = 0;
     float s = 0.f;
 #if defined(PA_AVX512) && defined(__AVX512BF16__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 32 <= n; i += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(q + i)),
-                               (__m512bh)_mm512_loadu_si512((const void *)(k + i)));
-    s = _mm512_reduce_add_ps(acc);
-    (void)qf;
-#elif defined(PA_AVX512)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16_bf16(k + i), acc);
-    s = _mm512_reduce_add_ps(acc);
-#elif defined(PA_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8_bf16(k + i), acc);
-    s = hsum8(acc);
+    if (qb) {
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 32 <= n; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(q + i)),
+                                   (__m512bh)_mm512_loadu_si512((const void *)(k + i)));
+        s = _mm512_reduce_add_ps(acc);
+    } else
 #endif
+    {
+#if defined(PA_AVX512)
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16_bf16(k + i), acc);
+        s = _mm512_reduce_add_ps(acc);
+#elif defined(PA_AVX2)
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8_bf16(k + i), acc);
+        s = hsum8(acc);
+#endif
+    }
     (void)q;
+    (void)qb;
     for (; i < n; i++) s += qf[i] * bf16_to_f32(k[i]);
     return s;
 }
@@ -164,9 +179,9 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 /* s[0..3] = q . k_t for four cache rows; the head's tail through masked loads (zeros add nothing) */
-static inline void dot4(const void *q, const void *const *k, int64_t n, int bf16, float *s) {
+static inline void dot4(const void *q, const void *const *k, int64_t n, int mode, float *s) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    if (bf16) {
+    if (mode == DOT_BF16_PAIRS) {
 #ifdef __AVX512BF16__
         const uint16_t *qb = (const uint16_t *)q;
         for (int64_t i = 0; i < n; i += 32) {
@@ -177,8 +192,9 @@ static inline void dot4(const void *q, const void *const *k, int64_t n, int bf16
             a2 = _mm512_dpbf16_ps(a2, x, (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)k[2] + i));
             a3 = _mm512_dpbf16_ps(a3, x, (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)k[3] + i));
         }
-#else
-        const float *qf = (const float *)q; /* the widened query */
+#endif
+    } else if (mode == DOT_BF16_KEYS) {
+        const float *qf = (const float *)q; /* the query in float32 */
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
             const __m512 x = _mm512_maskz_loadu_ps(m, qf + i);
@@ -189,7 +205,6 @@ static inline void dot4(const void *q, const void *const *k, int64_t n, int bf16
             a3 = _mm512_fmadd_ps(x, PA_W(3), a3);
 #undef PA_W
         }
-#endif
     } else {
         const float *qf = (const float *)q;
         for (int64_t i = 0; i < n; i += 16) {
@@ -295,7 +310,8 @@ typedef struct {
     int64_t bts, B;
     float scale, soft_cap;
     int64_t window;
-    int bf16;
+    int bf16;    /* q, k, v and out are bf16 (else float32) */
+    int kv_bf16; /* the cache is bf16 (else float32): NOTE 6 */
     void *out;
     /* work items: item w < items is (request req[w], rows row0[w] .. row0[w] + nrows[w] - 1) x every KV head */
     const int32_t *req, *row0, *nrows;
@@ -334,9 +350,9 @@ static inline void load_chunk_rows(const Job *J, const int32_t *bt, int64_t g, i
     const char *cache = (const char *)J->cache;
     for (int64_t j = 0; j < n; j++) {
         const int64_t t = c + j, slot = (int64_t)bt[t / bs] * bs + t % bs;
-        const char *kr = cache + (slot * row + g * head) * (J->bf16 ? 2 : 4);
-        const char *vr = cache + (v_off + slot * row + g * head) * (J->bf16 ? 2 : 4);
-        if (J->bf16) {
+        const char *kr = cache + (slot * row + g * head) * (J->kv_bf16 ? 2 : 4);
+        const char *vr = cache + (v_off + slot * row + g * head) * (J->kv_bf16 ? 2 : 4);
+        if (J->kv_bf16) {
             int64_t d = 0;
             for (; d + 16 <= head; d += 16) {
                 _mm512_storeu_ps(kf + j * head + d, load16_bf16((const uint16_t *)kr + d));
@@ -521,7 +537,12 @@ static void attend_item(Job *J, Scratch *S, int64_t task) {
 #endif
     const int64_t i = J->req[w], r0 = J->row0[w], nr = J->nrows[w];
     const int64_t head = J->head, nh = J->nh, group = nh / J->nkv, row = J->nkv * head, bs = J->bs;
-    const int64_t esz = J->bf16 ? 2 : 4, v_off = J->num_blocks * bs * row;
+    const int64_t esz = J->bf16 ? 2 : 4, kesz = J->kv_bf16 ? 2 : 4, v_off = J->num_blocks * bs * row;
+#ifdef __AVX512BF16__
+    const int mode = !J->kv_bf16 ? DOT_F32 : J->bf16 ? DOT_BF16_PAIRS : DOT_BF16_KEYS;
+#else
+    const int mode = J->kv_bf16 ? DOT_BF16_KEYS : DOT_F32;
+#endif
     const int64_t len = J->seq_lens[i], first_row = J->qsl[i], qlen = J->qsl[i + 1] - first_row;
     const int32_t *bt = J->block_table + i * J->bts;
     const int64_t nq = nr * group;
@@ -552,10 +573,10 @@ static void attend_item(Job *J, Scratch *S, int64_t task) {
         for (int64_t j = 0; j < n; j++) {
             const int64_t t = c + j;
             const int64_t slot = (int64_t)bt[t / bs] * bs + t % bs;
-            krow[j] = cache + (slot * row + g * head) * esz;
+            krow[j] = cache + (slot * row + g * head) * kesz;
             float *vf = S->vf + j * head;
-            const char *vr = cache + (v_off + slot * row + g * head) * esz;
-            if (J->bf16) {
+            const char *vr = cache + (v_off + slot * row + g * head) * kesz;
+            if (J->kv_bf16) {
                 int64_t d = 0;
 #if defined(PA_AVX512)
                 for (; d + 16 <= head; d += 16) _mm512_storeu_ps(vf + d, load16_bf16((const uint16_t *)vr + d));
@@ -581,16 +602,12 @@ static void attend_item(Job *J, Scratch *S, int64_t task) {
                 float mx = -INFINITY;
                 int64_t j = 0;
 #ifdef PA_AVX512
-#ifdef __AVX512BF16__
-                const void *qd = J->bf16 ? (const void *)qb : (const void *)qf;
-#else
-                const void *qd = qf;
-#endif
-                for (; j + 4 <= na; j += 4) dot4(qd, (const void *const *)(krow + off + j), head, J->bf16, S->p + j);
+                const void *qd = mode == DOT_BF16_PAIRS ? (const void *)qb : (const void *)qf;
+                for (; j + 4 <= na; j += 4) dot4(qd, (const void *const *)(krow + off + j), head, mode, S->p + j);
 #endif
                 for (; j < na; j++)
-                    S->p[j] = J->bf16 ? dot_bf16(qb, qf, (const uint16_t *)krow[off + j], head)
-                                      : dot_f32(qf, (const float *)krow[off + j], head);
+                    S->p[j] = J->kv_bf16 ? dot_bf16(qb, qf, (const uint16_t *)krow[off + j], head, mode == DOT_BF16_PAIRS)
+                                         : dot_f32(qf, (const float *)krow[off + j], head);
                 for (j = 0; j < na; j++) {
                     float s = S->p[j] * J->scale;
                     if (J->soft_cap > 0.f) s = J->soft_cap * tanhf(s / J->soft_cap);
@@ -656,15 +673,32 @@ static void *worker(void *arg) {
 int cpu_paged_attention(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs, void *cache,
                         int64_t num_blocks, int64_t bs, int64_t nkv, int64_t head, int64_t nh, const int64_t *slots,
                         int64_t T, const int32_t *qsl, const int32_t *seq_lens, const int32_t *block_table,
-                        int64_t bts, int64_t B, float scale, int64_t window, float soft_cap, int bf16, void *out,
-                        int64_t num_threads, int64_t min_work_per_thread) {
+                        int64_t bts, int64_t B, float scale, int64_t window, float soft_cap, int bf16, int kv_bf16,
+                        void *out, int64_t num_threads, int64_t min_work_per_thread) {
     const int64_t row = nkv * head, esz = bf16 ? 2 : 4, v_off = num_blocks * bs * row;
     const int64_t num_slots = num_blocks * bs;
     char *c = (char *)cache;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -2;
-        memcpy(c + slots[t] * row * esz, (const char *)k + t * ks * esz, row * esz);
-        memcpy(c + (v_off + slots[t] * row) * esz, (const char *)v + t * vs * esz, row * esz);
+    for (int64_t t = 0; t < T; t++) {
+        if (bf16 == kv_bf16) {
+            memcpy(c + slots[t] * row * esz, (const char *)k + t * ks * esz, row * esz);
+            memcpy(c + (v_off + slots[t] * row) * esz, (const char *)v + t * vs * esz, row * esz);
+        } else if (kv_bf16) { /* a float32 row into the bf16 cache: rounded to nearest even (NOTE 6) */
+            const float *kt = (const float *)k + t * ks, *vt = (const float *)v + t * vs;
+            uint16_t *kd = (uint16_t *)c + slots[t] * row, *vd = (uint16_t *)c + v_off + slots[t] * row;
+            for (int64_t i = 0; i < row; i++) {
+                kd[i] = f32_to_bf16(kt[i]);
+                vd[i] = f32_to_bf16(vt[i]);
+            }
+        } else { /* a bf16 row into the float32 cache: widened */
+            const uint16_t *kt = (const uint16_t *)k + t * ks, *vt = (const uint16_t *)v + t * vs;
+            float *kd = (float *)c + slots[t] * row, *vd = (float *)c + v_off + slots[t] * row;
+            for (int64_t i = 0; i < row; i++) {
+                kd[i] = bf16_to_f32(kt[i]);
+                vd[i] = bf16_to_f32(vt[i]);
+            }
+        }
     }
     /* the work items (NOTE 1) and the work they hold, in query-key pairs */
     int64_t items = 0, work = 0;
@@ -681,7 +715,7 @@ int cpu_paged_attention(const void *q, int64_t qs, const void *k, int64_t ks, co
     int32_t *plan = malloc((size_t)(3 * items + 1) * sizeof(int32_t));
     if (!plan) return -1;
     Job J = {q, k, v, qs, ks, vs, cache, num_blocks, bs, nkv, head, nh, qsl, seq_lens, block_table, bts, B,
-             scale, soft_cap, window, bf16, out, plan, plan + items, plan + 2 * items, items, 0, 0};
+             scale, soft_cap, window, bf16, kv_bf16, out, plan, plan + items, plan + 2 * items, items, 0, 0};
     int64_t w = 0;
     for (int64_t i = 0; i < B; i++)
         for (int64_t r = 0; r < qsl[i + 1] - qsl[i]; r += TILE_ROWS, w++) {

@@ -36,7 +36,7 @@ def paged_attention() -> Callable[..., int] | None:
     fn = lib.cpu_paged_attention
     p, i64, f32, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, i64, p, p, p, i64, i64, f32, i64, f32,
-                   c_int, p, i64, i64]
+                   c_int, c_int, p, i64, i64]
     fn.restype = c_int
     return fn
 

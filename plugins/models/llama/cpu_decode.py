@@ -184,6 +184,7 @@ class CpuDecodePlan:
         down = self.down.data_ptr()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         attn_tail = (slots_ptr, table_ptr, table_stride, lens_ptr, 1)
+        kv_bf16 = int(kv_caches[0].dtype == torch.bfloat16)  # the C decode attention's cache dtype flag
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             (w1, eps1, g1), qkv, (scale, window, cap), o_proj, (w2, eps2, g2), gate_up_proj, down_proj = layer
             if residual:
@@ -195,7 +196,7 @@ class CpuDecodePlan:
             qkv(threads)
             rotary(*rot)
             if attn(q_ptr, q_row, k_ptr, k_row, v_ptr, v_row, kv_cache.data_ptr(), num_blocks, block_size, nkv, hs,
-                    nh, *attn_tail, scale, window, cap, attn_out, 1):  # one request: no threads
+                    nh, *attn_tail, scale, window, cap, attn_out, 1, kv_bf16):  # one request: no threads
                 raise MemoryError("cpu_decode_attention: out of memory")
             o_proj(threads)
             norm(o_out, residual, w2, eps2, g2, 1, h, mlp_in, res[which])
@@ -211,7 +212,7 @@ class CpuDecodePlan:
 
     def _bound_step(self, kv_caches: list[torch.Tensor]) -> Any:
         """The one-call step bound to these KV caches (bound again when the caches are other tensors)."""
-        key = (*(c.data_ptr() for c in kv_caches), kv_caches[0].shape)
+        key = (*(c.data_ptr() for c in kv_caches), kv_caches[0].shape, kv_caches[0].dtype)
         if self._c_step is None or key != self._c_caches:
             layers = self._c_layers
             assert layers is not None
@@ -229,6 +230,7 @@ class CpuDecodePlan:
                     "qkv", "attn_out", "normed", "mlp_in", "gate_up", "act", "o_out", "down")},
                 "residual": [r.data_ptr() for r in self.residual],
                 "final_norm": w, "final_eps": eps, "final_gemma": gemma,
+                "kv_bf16": int(kv_caches[0].dtype == torch.bfloat16),
             })
             self._c_caches = key
         return self._c_step

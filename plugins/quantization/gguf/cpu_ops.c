@@ -10,7 +10,8 @@
  *   cpu_rotary_neox        q, k rotated in place, neox halves, first `rot` dims of each head
  *   cpu_silu_and_mul       out = silu(x[:, :d]) * x[:, d:]
  *   cpu_decode_attention   write each decode's new K/V row into the paged cache, then one query per request
- *                          attends over its blocks (through the block table: no gather copy)
+ *                          attends over its blocks (through the block table: no gather copy); a float32 or a
+ *                          bf16 cache (NOTE 9)
  *   cpu_decode_step        a Llama model's whole one-token decode: the ops above and each layer's row products
  *                          (function pointers into the matmul library), layer after layer (NOTE 5)
  *   cpu_silu_and_mul_bf16  the same activation on the bf16 GEMM's [gate | up] output, bf16 out (NOTE 7)
@@ -49,6 +50,21 @@
 #define CPU_SIMD 1
 #endif
 
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 /* sum of a[i] * b[i] for i < n (NOTE 2) */
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -79,6 +95,46 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
     for (; i < n; i++) y[i] += a * x[i];
+}
+
+#ifdef CPU_SIMD
+/* 8 bf16 widened to float32 in registers (exact: a bf16 is the top half of a float32; what AVX512-BF16's
+ * vcvtpbh2ps does too) */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* dot() with b a bf16 cache row (NOTE 9): the same lanes, order and tree, each b widened exactly */
+static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#ifdef CPU_SIMD
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8_bf16(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc0);
+    __m256 v = _mm256_add_ps(acc0, acc1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    s = _mm_cvtss_f32(h);
+#endif
+    for (; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
+    return s;
+}
+
+/* axpy() with x a bf16 cache row (NOTE 9) */
+static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {
+    int64_t i = 0;
+#ifdef CPU_SIMD
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8_bf16(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * bf16_to_f32(x[i]);
 }
 
 #ifdef CPU_SIMD
@@ -190,7 +246,7 @@ void cpu_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
 }
 
 /* D decodes, one query each. q [D, nh, head] (row stride qs), k_new / v_new [D, nkv, head] (row strides ks,
- * vs); cache [2, num_blocks, bs, nkv, head] contiguous; slots [D] where the new rows go; block_table [*, bts]
+ * vs); cache [2, num_blocks, bs, nkv, head] contiguous, float32 or bf16 (kv_bf16, NOTE 9); slots [D] where the new rows go; block_table [*, bts]
  * int32; seq_lens [D] int32 (the new token included); window 0 = none, else the last `window` positions;
  * soft_cap 0 = none. out [D, nh, head] contiguous. Returns 0, or -1 when out of memory.
  * NOTE 3: one pass over the keys, then one over the values: each cache row (every KV head of one position,
@@ -202,23 +258,38 @@ void cpu_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
 #define PREFETCH_AHEAD 4
 #define MT_MIN_MACS (1L << 20) /* NOTE 6 */
 
-static inline const float *cache_row(const float *base, const int32_t *bt, int64_t bs, int64_t row, int64_t j) {
-    return base + ((int64_t)bt[j / bs] * bs + j % bs) * row;
+static inline int64_t cache_slot(const int32_t *bt, int64_t bs, int64_t j) { return (int64_t)bt[j / bs] * bs + j % bs; }
+
+static inline void prefetch_bytes(const char *r, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(r + i, 0, 3);
 }
 
-static inline void prefetch_row(const float *r, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(r + i, 0, 3);
-}
-
+/* NOTE 9: kv_bf16 = the cache holds bf16 (kv_cache.cache_dtype bfloat16): each new K/V row is rounded to bf16
+ * (to nearest even, as torch's .to(torch.bfloat16)) as it is written, and cache rows are widened to float32 in
+ * registers as they are read (dot_bf16, axpy_bf16: the same lanes and order as the float32 path); q, the
+ * scores, the softmax and out stay float32. The query is not rounded (AVX512-BF16's dpbf16 would need it in
+ * bf16 too): the stored K/V are the only values bf16 touches. A decode batch's attention reads the cache from
+ * memory (~31 of ~40 GB/s in float32 on SmolLM2's 128-request batch, 2026-12-02), so half the bytes is the
+ * gain; the widening is two integer ops per 8 values. */
 int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t ks, const float *v_new,
-                         int64_t vs, float *cache, int64_t num_blocks, int64_t bs, int64_t nkv, int64_t head,
+                         int64_t vs, void *cache, int64_t num_blocks, int64_t bs, int64_t nkv, int64_t head,
                          int64_t nh, const int64_t *slots, const int32_t *block_table, int64_t bts,
                          const int32_t *seq_lens, int64_t D, float scale, int64_t window, float soft_cap,
-                         float *out, int threads) {
+                         float *out, int threads, int kv_bf16) {
     const int64_t row = nkv * head, v_off = num_blocks * bs * row, group = nh / nkv;
+    const int64_t esz = kv_bf16 ? 2 : 4, row_bytes = row * esz;
+    char *const keys = (char *)cache, *const values = keys + v_off * esz;
     for (int64_t d = 0; d < D; d++) {
-        memcpy(cache + slots[d] * row, k_new + d * ks, row * sizeof(float));
-        memcpy(cache + v_off + slots[d] * row, v_new + d * vs, row * sizeof(float));
+        if (kv_bf16) {
+            uint16_t *kd = (uint16_t *)keys + slots[d] * row, *vd = (uint16_t *)values + slots[d] * row;
+            for (int64_t i = 0; i < row; i++) {
+                kd[i] = f32_to_bf16(k_new[d * ks + i]);
+                vd[i] = f32_to_bf16(v_new[d * vs + i]);
+            }
+        } else {
+            memcpy(keys + slots[d] * row_bytes, k_new + d * ks, row_bytes);
+            memcpy(values + slots[d] * row_bytes, v_new + d * vs, row_bytes);
+        }
     }
     int64_t max_len = 0, total = 0;
     for (int64_t d = 0; d < D; d++) {
@@ -229,7 +300,6 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
     const int64_t per_thread = (max_len + 1) * nh;
     float *scratch = malloc(per_thread * nt * sizeof(float)); /* p[h * n + j]: query head h, position j */
     if (!scratch) return -1;
-    const float *keys = cache, *values = cache + v_off;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int64_t d = 0; d < D; d++) {
         float *p = scratch + per_thread * omp_get_thread_num();
@@ -238,10 +308,12 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
         const float *qd = q + d * qs; /* query head h = g * group + hh reads KV head g (GQA) */
         float *od = out + d * nh * head;
         for (int64_t j = first; j < len; j++) {
-            if (j + PREFETCH_AHEAD < len) prefetch_row(cache_row(keys, bt, bs, row, j + PREFETCH_AHEAD), row);
-            const float *kr = cache_row(keys, bt, bs, row, j);
+            if (j + PREFETCH_AHEAD < len) prefetch_bytes(keys + cache_slot(bt, bs, j + PREFETCH_AHEAD) * row_bytes, row_bytes);
+            const char *kr = keys + cache_slot(bt, bs, j) * row_bytes;
             for (int64_t h = 0; h < nh; h++) {
-                float s = dot(qd + h * head, kr + h / group * head, head) * scale;
+                const int64_t at = h / group * head;
+                float s = (kv_bf16 ? dot_bf16(qd + h * head, (const uint16_t *)kr + at, head)
+                                   : dot(qd + h * head, (const float *)kr + at, head)) * scale;
                 if (soft_cap > 0.f) s = soft_cap * tanhf(s / soft_cap);
                 p[h * n + j - first] = s;
             }
@@ -254,9 +326,13 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
         }
         memset(od, 0, nh * head * sizeof(float));
         for (int64_t j = first; j < len; j++) {
-            if (j + PREFETCH_AHEAD < len) prefetch_row(cache_row(values, bt, bs, row, j + PREFETCH_AHEAD), row);
-            const float *vr = cache_row(values, bt, bs, row, j);
-            for (int64_t h = 0; h < nh; h++) axpy(p[h * n + j - first], vr + h / group * head, od + h * head, head);
+            if (j + PREFETCH_AHEAD < len) prefetch_bytes(values + cache_slot(bt, bs, j + PREFETCH_AHEAD) * row_bytes, row_bytes);
+            const char *vr = values + cache_slot(bt, bs, j) * row_bytes;
+            for (int64_t h = 0; h < nh; h++) {
+                const int64_t at = h / group * head;
+                if (kv_bf16) axpy_bf16(p[h * n + j - first], (const uint16_t *)vr + at, od + h * head, head);
+                else axpy(p[h * n + j - first], (const float *)vr + at, od + h * head, head);
+            }
         }
     }
     free(scratch);
@@ -285,7 +361,7 @@ typedef struct {
     int64_t qkv, o, gate_up, down, end; /* products[qkv .. o) are qkv's pieces, and so on; `end` closes down's */
     float scale, soft_cap;
     int64_t window;
-    float *cache; /* this layer's [2, num_blocks, bs, nkv, head] */
+    void *cache; /* this layer's [2, num_blocks, bs, nkv, head], float32 or bf16 (kv_bf16) */
 } cpu_decode_layer;
 
 typedef struct {
@@ -313,6 +389,7 @@ typedef struct {
     float final_eps;
     int64_t final_gemma;
     float *out;
+    int64_t kv_bf16; /* the caches hold bf16 (NOTE 9) */
 } cpu_decode_step_args;
 
 static int run_products(const cpu_row_product *p, int64_t from, int64_t to, int threads) {
@@ -344,7 +421,7 @@ int cpu_decode_step(const cpu_decode_step_args *a) {
         cpu_rotary_neox(qp, row, a->nh, kp, row, a->nkv, a->head, 1, a->positions, a->cos, a->sin, a->half);
         if (cpu_decode_attention(qp, row, kp, row, vp, row, L->cache, a->num_blocks, a->block_size, a->nkv, a->head,
                                  a->nh, a->slots, a->block_table, a->block_table_stride, a->seq_lens, 1, L->scale,
-                                 L->window, L->soft_cap, a->attn_out, 1))
+                                 L->window, L->soft_cap, a->attn_out, 1, (int)a->kv_bf16))
             return -1;
         if (run_products(a->products, L->o, L->gate_up, a->threads)) return -2;
         cpu_add_rms_norm(a->o_out, residual, L->norm2, L->eps2, (int)L->gemma2, 1, h, a->mlp_in, a->residual[which]);
@@ -365,26 +442,7 @@ int cpu_decode_step(const cpu_decode_step_args *a) {
 #define MT_MIN_ELEMS (1L << 18) /* NOTE 7: below, one thread (a team's wake-up costs more than the pass) */
 #define TOPK_MAX 64
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 #ifdef CPU_SIMD
-static inline __m256 load8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 /* f32_to_bf16 on 8 lanes */
 static inline void store8_bf16(uint16_t *p, __m256 v) {
     const __m256i u = _mm256_castps_si256(v);

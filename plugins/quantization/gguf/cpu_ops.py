@@ -2,7 +2,8 @@
 
     cpu_ops()            -> CpuOps, or None with `unavailable_reason()` saying why (no C compiler, a failed
                             build, PAGEDLLM_CPU_OPS=0); the layers then run their torch code
-    CpuOps.add_rms_norm / rotary_neox / silu_and_mul / decode_attention: float32 CPU tensors only
+    CpuOps.add_rms_norm / rotary_neox / silu_and_mul / decode_attention: float32 CPU tensors only (the
+                            decode attention's KV cache float32 or bfloat16)
     CpuOps.silu_and_mul_bf16 / top_k: the bf16 batch GEMMs' activation and the LM head's candidates
                             (the gguf method's own use, not the CpuFusedOps protocol)
 
@@ -50,7 +51,7 @@ class CpuOps:
         self.silu_fn.restype = None
         self.attn_fn = lib.cpu_decode_attention
         self.attn_fn.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, p, p, i64, p, i64, f32, i64,
-                               f32, p, c_int]
+                               f32, p, c_int, c_int]
         self.attn_fn.restype = c_int
         self._silu_bf16_fn = lib.cpu_silu_and_mul_bf16
         self._silu_bf16_fn.argtypes = [p, i64, i64, p, c_int]
@@ -72,7 +73,8 @@ class CpuOps:
         (function address, type, weights, n, k, x, y) -- C functions with gguf_matmul's signature, pieces at
         their column offsets -- scale, window, soft_cap and cache (the layer's KV cache); and hidden, inter,
         nh, nkv, head, num_blocks, block_size, cos, sin, half, the scratch buffers qkv, attn_out, normed,
-        mlp_in, gate_up, act, o_out, down, residual (two), and final_norm / final_eps / final_gemma.
+        mlp_in, gate_up, act, o_out, down, residual (two), final_norm / final_eps / final_gemma, and kv_bf16
+        (the caches hold bf16: cpu_ops.c NOTE 9).
         """
         layers = spec["layers"]
         products: list[tuple[int, ...]] = []
@@ -91,7 +93,7 @@ class CpuOps:
         args = _StepArgs(layers=rows, num_layers=len(layers), products=product_rows)
         for name in ("hidden", "inter", "nh", "nkv", "head", "num_blocks", "block_size", "cos", "sin", "half",
                      "qkv", "attn_out", "normed", "mlp_in", "gate_up", "act", "o_out", "down", "final_norm",
-                     "final_eps", "final_gemma"):
+                     "final_eps", "final_gemma", "kv_bf16"):
             setattr(args, name, spec[name])
         args.residual = (ctypes.c_void_p * 2)(*spec["residual"])
         keep = (rows, product_rows)  # the arrays the struct points into live as long as the call
@@ -182,9 +184,11 @@ class CpuOps:
     ) -> torch.Tensor:
         """Write key/value [D, nkv, hs] at slots, then attend query [D, nh, hs] over each request's blocks.
 
-        kv_cache [2, num_blocks, block_size, nkv, hs] contiguous float32; slots [D] int64, block_table
-        [D, *] int32 and seq_lens [D] int32, contiguous rows. Returns [D, nh, hs]. A large batch's requests
-        are shared out over `threads` (default torch's thread count; cpu_ops.c NOTE 6), with the same bits.
+        query, key and value float32; kv_cache [2, num_blocks, block_size, nkv, hs] contiguous, float32 or
+        bfloat16 (key and value rounded to bf16 as they are written, widened as they are read: cpu_ops.c NOTE 9);
+        slots [D] int64, block_table [D, *] int32 and seq_lens [D] int32, contiguous rows. Returns [D, nh, hs]
+        float32. A large batch's requests are shared out over `threads` (default torch's thread count;
+        cpu_ops.c NOTE 6), with the same bits.
         """
         d, nh, hs = query.shape
         _, num_blocks, block_size, nkv, _ = kv_cache.shape
@@ -193,10 +197,19 @@ class CpuOps:
                         value.stride(0), kv_cache.data_ptr(), num_blocks, block_size, nkv, hs, nh,
                         slots.data_ptr(), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), d,
                         scale, window or 0, soft_cap or 0.0, out.data_ptr(),
-                        torch.get_num_threads() if threads is None else threads)
+                        torch.get_num_threads() if threads is None else threads, kv_cache_is_bf16(kv_cache))
         if rc:
             raise MemoryError("cpu_decode_attention: out of memory")
         return out
+
+
+def kv_cache_is_bf16(kv_cache: torch.Tensor) -> int:
+    """cpu_decode_attention's kv_bf16 flag for this cache: 1 for bfloat16, 0 for float32; other dtypes raise."""
+    if kv_cache.dtype == torch.bfloat16:
+        return 1
+    if kv_cache.dtype == torch.float32:
+        return 0
+    raise ValueError(f"cpu_decode_attention: a float32 or bfloat16 KV cache, not {kv_cache.dtype}")
 
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -226,7 +239,7 @@ class _StepArgs(ctypes.Structure):
                 ("block_size", _i64), ("cos", _p), ("sin", _p), ("half", _i64),
                 ("qkv", _p), ("attn_out", _p), ("normed", _p), ("mlp_in", _p), ("gate_up", _p), ("act", _p),
                 ("o_out", _p), ("down", _p), ("residual", _p * 2),
-                ("final_norm", _p), ("final_eps", _f32), ("final_gemma", _i64), ("out", _p)]
+                ("final_norm", _p), ("final_eps", _f32), ("final_gemma", _i64), ("out", _p), ("kv_bf16", _i64)]
 
 
 @functools.cache
