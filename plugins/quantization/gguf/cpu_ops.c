@@ -264,6 +264,114 @@ static inline void prefetch_bytes(const char *r, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(r + i, 0, 3);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* NOTE 10: with AVX-512 (and a head a multiple of 16), one request's attention four positions at a time. Scores:
+ * for each query head the four rows' dot products on 16 lanes, their four horizontal sums in one shuffle tree
+ * (reduce4_16); values: each output row is loaded and stored once per four positions, not once per position,
+ * with the same multiply-adds in the same order as axpy (lane for lane: the value pass keeps its bits). The row
+ * loop made ~13 instructions of loads, stores and reductions per multiply-add vector on 8 lanes; SmolLM2's
+ * 128-request batch (~190 positions each, 9 / 3 heads of 64) took 3.8 ms a layer on one thread, ~10 GB/s of a
+ * float32 cache: bound by instructions and memory latency, not bandwidth. Rows are still read once each, in order
+ * (NOTE 3); the rows PF_AHEAD positions on are asked for a share per query head, spread over the block's work:
+ * the whole block's lines at once (48 for float32 rows of SmolLM2) overran the core's outstanding misses and
+ * ran slower than NOTE 3's row per position. One thread, that batch, min of 6 (2026-12-02, a neighbour busy on
+ * the other core): 3.3 -> 2.6 ms float32, 2.1 ms bf16 (ahead 4 rows a burst: 5.3 / 2.7; 12: 2.9 / 2.5; 16:
+ * 4.2 / 2.2; no software prefetch 8.0 / 4.2). */
+#define DA_AVX512 1
+#define PF_AHEAD 8
+
+static inline __m512 load16_row(const char *r, int64_t i, const int bf16) {
+    if (bf16) /* widened exactly: what AVX512-BF16's vcvtpbh2ps does */
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)r + i))), 16));
+    return _mm512_loadu_ps((const float *)r + i);
+}
+
+static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+/* scores p[h * n + j - first] of one request's positions first .. len-1 (NOTE 10) */
+static inline __attribute__((always_inline)) void scores4(const float *qd, const char *keys, const int32_t *bt,
+                                                          int64_t bs, int64_t row_bytes, int64_t nh, int64_t group,
+                                                          int64_t head, int64_t first, int64_t len, float scale,
+                                                          float soft_cap, float *p, const int bf16) {
+    const int64_t n = len - first, esz = bf16 ? 2 : 4;
+    for (int64_t j = first; j < len; j += 4) {
+        const int64_t m = len - j < 4 ? len - j : 4; /* past the end: row j again, its scores dropped */
+        const char *kr[4];
+        for (int64_t t = 0; t < 4; t++) kr[t] = keys + cache_slot(bt, bs, t < m ? j + t : j) * row_bytes;
+        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per head (NOTE 10) */
+        int64_t npf = 0;
+        for (int64_t t = PF_AHEAD; t < PF_AHEAD + 4; t++)
+            if (j + t < len) pf[npf++] = keys + cache_slot(bt, bs, j + t) * row_bytes;
+        const int64_t lines = row_bytes / 64, per_head = (npf * lines + nh - 1) / nh;
+        for (int64_t h = 0; h < nh; h++) {
+            for (int64_t x = h * per_head; x < (h + 1) * per_head && x < npf * lines; x++)
+                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, 3);
+            const int64_t at = h / group * head * esz;
+            const float *qh = qd + h * head;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < head; c += 16) {
+                const __m512 x = _mm512_loadu_ps(qh + c);
+                a0 = _mm512_fmadd_ps(x, load16_row(kr[0] + at, c, bf16), a0);
+                a1 = _mm512_fmadd_ps(x, load16_row(kr[1] + at, c, bf16), a1);
+                a2 = _mm512_fmadd_ps(x, load16_row(kr[2] + at, c, bf16), a2);
+                a3 = _mm512_fmadd_ps(x, load16_row(kr[3] + at, c, bf16), a3);
+            }
+            float s4[4];
+            _mm_storeu_ps(s4, reduce4_16(a0, a1, a2, a3));
+            for (int64_t t = 0; t < m; t++) {
+                float sc = s4[t] * scale;
+                if (soft_cap > 0.f) sc = soft_cap * tanhf(sc / soft_cap);
+                p[h * n + j - first + t] = sc;
+            }
+        }
+    }
+}
+
+/* od[h] = sum_j p[h][j] V_j for one request (NOTE 10): od zeroed first, the positions in order */
+static inline __attribute__((always_inline)) void values4(const char *values, const int32_t *bt, int64_t bs,
+                                                          int64_t row_bytes, int64_t nh, int64_t group, int64_t head,
+                                                          int64_t first, int64_t len, const float *p, float *od,
+                                                          const int bf16) {
+    const int64_t n = len - first, esz = bf16 ? 2 : 4;
+    memset(od, 0, nh * head * sizeof(float));
+    for (int64_t j = first; j < len; j += 4) {
+        const int64_t m = len - j < 4 ? len - j : 4;
+        const char *vr[4];
+        for (int64_t t = 0; t < 4; t++) vr[t] = values + cache_slot(bt, bs, t < m ? j + t : j) * row_bytes;
+        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per head (NOTE 10) */
+        int64_t npf = 0;
+        for (int64_t t = PF_AHEAD; t < PF_AHEAD + 4; t++)
+            if (j + t < len) pf[npf++] = values + cache_slot(bt, bs, j + t) * row_bytes;
+        const int64_t lines = row_bytes / 64, per_head = (npf * lines + nh - 1) / nh;
+        for (int64_t h = 0; h < nh; h++) {
+            for (int64_t x = h * per_head; x < (h + 1) * per_head && x < npf * lines; x++)
+                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, 3);
+            const int64_t at = h / group * head * esz;
+            const float *ph = p + h * n + j - first;
+            const __m512 p0 = _mm512_set1_ps(ph[0]);
+            const __m512 p1 = _mm512_set1_ps(m > 1 ? ph[1] : 0.f), p2 = _mm512_set1_ps(m > 2 ? ph[2] : 0.f);
+            const __m512 p3 = _mm512_set1_ps(m > 3 ? ph[3] : 0.f);
+            float *o = od + h * head;
+            for (int64_t c = 0; c < head; c += 16) {
+                __m512 acc = _mm512_loadu_ps(o + c);
+                acc = _mm512_fmadd_ps(p0, load16_row(vr[0] + at, c, bf16), acc);
+                if (m > 1) acc = _mm512_fmadd_ps(p1, load16_row(vr[1] + at, c, bf16), acc);
+                if (m > 2) acc = _mm512_fmadd_ps(p2, load16_row(vr[2] + at, c, bf16), acc);
+                if (m > 3) acc = _mm512_fmadd_ps(p3, load16_row(vr[3] + at, c, bf16), acc);
+                _mm512_storeu_ps(o + c, acc);
+            }
+        }
+    }
+}
+#endif
+
 /* NOTE 9: kv_bf16 = the cache holds bf16 (kv_cache.cache_dtype bfloat16): each new K/V row is rounded to bf16
  * (to nearest even, as torch's .to(torch.bfloat16)) as it is written, and cache rows are widened to float32 in
  * registers as they are read (dot_bf16, axpy_bf16: the same lanes and order as the float32 path); q, the
@@ -307,6 +415,12 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
         const int32_t *bt = block_table + d * bts;
         const float *qd = q + d * qs; /* query head h = g * group + hh reads KV head g (GQA) */
         float *od = out + d * nh * head;
+#ifdef DA_AVX512
+        if (head % 16 == 0) { /* NOTE 10 */
+            if (kv_bf16) scores4(qd, keys, bt, bs, row_bytes, nh, group, head, first, len, scale, soft_cap, p, 1);
+            else scores4(qd, keys, bt, bs, row_bytes, nh, group, head, first, len, scale, soft_cap, p, 0);
+        } else
+#endif
         for (int64_t j = first; j < len; j++) {
             if (j + PREFETCH_AHEAD < len) prefetch_bytes(keys + cache_slot(bt, bs, j + PREFETCH_AHEAD) * row_bytes, row_bytes);
             const char *kr = keys + cache_slot(bt, bs, j) * row_bytes;
@@ -324,6 +438,13 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
             const float inv = 1.f / exp_shifted(ph, n, m);
             for (int64_t j = 0; j < n; j++) ph[j] *= inv;
         }
+#ifdef DA_AVX512
+        if (head % 16 == 0) {
+            if (kv_bf16) values4(values, bt, bs, row_bytes, nh, group, head, first, len, p, od, 1);
+            else values4(values, bt, bs, row_bytes, nh, group, head, first, len, p, od, 0);
+            continue;
+        }
+#endif
         memset(od, 0, nh * head * sizeof(float));
         for (int64_t j = first; j < len; j++) {
             if (j + PREFETCH_AHEAD < len) prefetch_bytes(values + cache_slot(bt, bs, j + PREFETCH_AHEAD) * row_bytes, row_bytes);
