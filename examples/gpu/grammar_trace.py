@@ -7,6 +7,14 @@ advance) and of the engine's whole step; then what the engine holds once the run
 pre-accepted tokens, requests awaiting a grammar, matchers alive, the cached compilations' callbacks), the
 process RSS and the GC collections during the run. A workload that slows down repeat after repeat shows here
 as a growing number: a state size that grows is what accumulates; a time per step that grows says where.
+
+`gpu_idle_ms` (CUDA only): the stream's idle time between the runner's queueing regions, read from timing
+events recorded at the entry and exit of each (a forward with its logits, a sampling). The gap between one
+region's exit event and the next region's entry event is time the GPU reached the first and had nothing to
+do until the host queued the second; ~0 when the GPU was still busy. A masked step is sampled at the runner's
+next call, after the grammar join (pipelined_step.py NOTE 5), so its gaps split into `before_sample` (the
+engine's host work and the join) and `before_forward` (the next step's input preparation after the sample);
+free text samples right after its forward and has only `before_forward`.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ class GrammarTrace:
                 self._add("engine step", end - t)
 
         EngineCore.step = marked_step  # type: ignore[method-assign]
+        self.events: list[tuple[str, Any]] = []  # (entry|exit region name, its CUDA event), in queueing order
+        self._mark_regions()
         start, make = AheadWorker.start, XgrammarBackend.make_grammar
 
         def timed_start(worker: Any, task: Callable[[], Any]) -> Callable[[], Any]:
@@ -69,6 +79,51 @@ class GrammarTrace:
         AheadWorker.start = timed_start  # type: ignore[method-assign]
         XgrammarBackend.make_grammar = recorded_make  # type: ignore[method-assign]
         gc.callbacks.append(lambda phase, info: self.collections.update([info["generation"]]) if phase == "start" else None)
+
+    def _mark_regions(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        from pagedllm.worker.model_runner import ModelRunner
+
+        def mark(label: str) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append((label, event))
+
+        def wrap(name: str, entry: str | None, exit_: str | None) -> None:
+            fn = getattr(ModelRunner, name)
+
+            def marked(runner: Any, *args: Any, **kwargs: Any) -> Any:
+                if entry:
+                    mark(entry)
+                out = fn(runner, *args, **kwargs)
+                if exit_:
+                    mark(exit_)
+                return out
+
+            setattr(ModelRunner, name, marked)
+
+        wrap("_forward_states", "forward", None)  # entry: before the step's input copies and its forward
+        wrap("execute_pipelined", None, "forward end")  # exit: after its logits (and, unmasked, its sample)
+        wrap("_sample", "sample", "sample end")
+
+    def _gpu_idle(self) -> dict[str, float]:
+        """The stream's idle milliseconds before each kind of region (see the module's docstring)."""
+        import torch
+
+        if not self.events:
+            return {}
+        torch.cuda.synchronize()
+        idle: defaultdict[str, float] = defaultdict(float)
+        gaps: Counter[str] = Counter()
+        for (a, ea), (b, eb) in zip(self.events, self.events[1:]):
+            if a.endswith(" end") and not b.endswith(" end"):
+                ms = ea.elapsed_time(eb)
+                idle[f"before_{b}"] += ms
+                gaps[f"before_{b}"] += 1
+        return {**{k: round(v, 1) for k, v in idle.items()}, **{f"{k}_gaps": n for k, n in gaps.items()}}
 
     def _add(self, key: str, seconds: float) -> None:
         self.seconds[key] += seconds
@@ -92,6 +147,7 @@ class GrammarTrace:
 
     def start_run(self) -> None:
         self.steps.clear()
+        self.events.clear()
         self.run_start = time.perf_counter()
         self.seconds.clear()
         self.calls.clear()
@@ -109,6 +165,7 @@ class GrammarTrace:
             "ms_per_call": {k: round(1e3 * s / self.calls[k], 3) for k, s in self.seconds.items()},
             "calls": dict(self.calls),
             "timeline_ms": self._timeline(end),
+            "gpu_idle_ms": self._gpu_idle(),
             "gc_collections": collections,
             "rss_mb": rss_mb,
             "matchers_made": len(self.matchers),
