@@ -52,6 +52,24 @@ class GrammarTrace:
             self._time(XgrammarGrammar, name, name, static=True)
         ids_fetch = pipelined_step._ids_fetch
         pipelined_step._ids_fetch = lambda *a: self._timed(ids_fetch(*a), "ids wait")  # type: ignore[assignment]
+        # The worker's phases as marks too (`_step_parts`): its task's start, the ids there, accepted, filled.
+        for cls, name, label, static in ((XgrammarGrammar, "accept_many", "accepted", True),
+                                         (XgrammarGrammar, "fill_bitmasks", "filled", True),
+                                         (StructuredOutputManager, "_accept_and_fill", "task", False)):
+            self._mark_after(cls, name, label, static, before=label == "task")
+        fetch_timed = pipelined_step._ids_fetch
+
+        def marked_fetch(*a: Any) -> Callable[[], Any]:
+            fetch = fetch_timed(*a)
+
+            def run() -> Any:
+                out = fetch()
+                self._mark("fetched", False)
+                return out
+
+            return run
+
+        pipelined_step._ids_fetch = marked_fetch  # type: ignore[assignment]
         step = EngineCore.step
 
         def marked_step(core: Any, *args: Any, **kwargs: Any) -> Any:
@@ -64,12 +82,21 @@ class GrammarTrace:
                 self._add("engine step", end - t)
 
         EngineCore.step = marked_step  # type: ignore[method-assign]
-        self.events: list[tuple[str, Any]] = []  # (entry|exit region name, its CUDA event), in queueing order
+        # (label, perf_counter, CUDA event or None), in order: `_step_parts`
+        self.marks: list[tuple[str, float, Any]] = []
         self._mark_regions()
         start, make = AheadWorker.start, XgrammarBackend.make_grammar
 
         def timed_start(worker: Any, task: Callable[[], Any]) -> Callable[[], Any]:
-            return self._timed(start(worker, task), "join wait")
+            join = self._timed(start(worker, task), "join wait")
+
+            def marked_join() -> Any:
+                self._mark("join", False)
+                out = join()
+                self._mark("join end", False)
+                return out
+
+            return marked_join
 
         def recorded_make(backend: Any, compiled: Any) -> Any:
             grammar = make(backend, compiled)
@@ -80,50 +107,87 @@ class GrammarTrace:
         XgrammarBackend.make_grammar = recorded_make  # type: ignore[method-assign]
         gc.callbacks.append(lambda phase, info: self.collections.update([info["generation"]]) if phase == "start" else None)
 
+    def _mark_after(self, cls: type, name: str, label: str, static: bool, before: bool = False) -> None:
+        fn = getattr(cls, name)
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                self._mark(label, False)
+            out = fn(*args, **kwargs)
+            if not before:
+                self._mark(label, False)
+            return out
+
+        setattr(cls, name, staticmethod(marked) if static else marked)
+
     def _mark_regions(self) -> None:
+        """Marks at the runner's queueing regions and the worker's phases (see `_step_parts`)."""
         import torch
 
-        if not torch.cuda.is_available():
-            return
+        from pagedllm.worker.cuda_graphs import DecodeGraphs
         from pagedllm.worker.model_runner import ModelRunner
 
-        def mark(label: str) -> None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.events.append((label, event))
+        cuda = torch.cuda.is_available()
 
-        def wrap(name: str, entry: str | None, exit_: str | None) -> None:
-            fn = getattr(ModelRunner, name)
+        def mark(label: str, gpu: bool = True) -> None:
+            event = None
+            if gpu and cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+            self.marks.append((label, time.perf_counter(), event))
 
-            def marked(runner: Any, *args: Any, **kwargs: Any) -> Any:
-                if entry:
-                    mark(entry)
-                out = fn(runner, *args, **kwargs)
-                if exit_:
-                    mark(exit_)
+        def wrap(cls: type, name: str, label: str, gpu: bool = True) -> None:
+            fn = cls.__dict__.get(name) or getattr(cls, name)
+
+            def marked(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                mark(label, gpu)
+                out = fn(obj, *args, **kwargs)
+                mark(f"{label} end", gpu)
                 return out
 
-            setattr(ModelRunner, name, marked)
+            setattr(cls, name, marked)
 
-        wrap("_forward_states", "forward", None)  # entry: before the step's input copies and its forward
-        wrap("execute_pipelined", None, "forward end")  # exit: after its logits (and, unmasked, its sample)
-        wrap("_sample", "sample", "sample end")
+        wrap(ModelRunner, "_sample", "sample")  # a step's mask and sampling
+        wrap(DecodeGraphs, "run", "graph")  # a decode step's forward (its CUDA graph)
+        wrap(ModelRunner, "_resolve_pending", "ids", gpu=False)  # the wait for the step in flight's ids
+        self._mark = mark
 
-    def _gpu_idle(self) -> dict[str, float]:
-        """The stream's idle milliseconds before each kind of region (see the module's docstring)."""
+    def _step_parts(self) -> dict[str, Any]:
+        """Medians (ms) over the run's steady steps of the time between consecutive marks: on the GPU
+        between consecutive CUDA events (the stream's order), on the host between consecutive marks of one
+        thread. A GPU gap between one region's end and the next region's start that the host did not fill
+        is idle time; the worker's marks beside the engine thread's `join` say which waited for which."""
+        import statistics
+
         import torch
 
-        if not self.events:
+        marks = self.marks
+        if len(marks) < 40:
             return {}
-        torch.cuda.synchronize()
-        idle: defaultdict[str, float] = defaultdict(float)
-        gaps: Counter[str] = Counter()
-        for (a, ea), (b, eb) in zip(self.events, self.events[1:]):
-            if a.endswith(" end") and not b.endswith(" end"):
-                ms = ea.elapsed_time(eb)
-                idle[f"before_{b}"] += ms
-                gaps[f"before_{b}"] += 1
-        return {**{k: round(v, 1) for k, v in idle.items()}, **{f"{k}_gaps": n for k, n in gaps.items()}}
+        gpu: defaultdict[str, list[float]] = defaultdict(list)
+        events = [(label, e) for label, _, e in marks if e is not None]
+        if events:
+            torch.cuda.synchronize()
+            for (a, ea), (b, eb) in zip(events, events[1:]):
+                gpu[f"{a} -> {b}"].append(ea.elapsed_time(eb))
+        host: defaultdict[str, list[float]] = defaultdict(list)
+        worker = {"fetched", "accepted", "filled", "task"}
+        for group in (worker, None):
+            seq = [(label, t) for label, t, _ in marks if (label in worker) == (group is not None)]
+            for (a, ta), (b, tb) in zip(seq, seq[1:]):
+                host[f"{a} -> {b}"].append(1e3 * (tb - ta))
+        # The worker's finish against the engine thread's arrival at the join that waits for it.
+        slack = []
+        filled = [t for label, t, _ in marks if label == "filled"]
+        joins = [t for label, t, _ in marks if label == "join"]
+        for t_fill, t_join in zip(filled, joins):
+            slack.append(1e3 * (t_join - t_fill))
+
+        def medians(d: dict[str, list[float]]) -> dict[str, Any]:
+            return {k: [round(statistics.median(v[10:-10] or v), 3), len(v)] for k, v in d.items() if len(v) > 20}
+
+        return {"gpu_ms": medians(gpu), "host_ms": medians(host),
+                "join_minus_filled_ms": round(statistics.median(slack[10:-10] or slack), 3) if slack else None}
 
     def _add(self, key: str, seconds: float) -> None:
         self.seconds[key] += seconds
@@ -147,7 +211,7 @@ class GrammarTrace:
 
     def start_run(self) -> None:
         self.steps.clear()
-        self.events.clear()
+        self.marks.clear()
         self.run_start = time.perf_counter()
         self.seconds.clear()
         self.calls.clear()
@@ -165,7 +229,7 @@ class GrammarTrace:
             "ms_per_call": {k: round(1e3 * s / self.calls[k], 3) for k, s in self.seconds.items()},
             "calls": dict(self.calls),
             "timeline_ms": self._timeline(end),
-            "gpu_idle_ms": self._gpu_idle(),
+            "step_parts": self._step_parts(),
             "gc_collections": collections,
             "rss_mb": rss_mb,
             "matchers_made": len(self.matchers),
