@@ -103,6 +103,17 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[
     device = logits.device
     vocab = logits.shape[-1]
     identity = len(mask_rows) == bitmask.shape[0] and mask_rows == list(range(len(mask_rows)))
+    if device.type == "cuda" and logits.stride(-1) == 1 and _triton():
+        from pagedllm.structured_output.bitmask_triton import apply_bitmask_triton
+
+        # Asynchronous from the pinned mask buffer (manager.py), as below; one kernel masks (bitmask_triton.py).
+        mask = bitmask.to(device, non_blocking=True)
+        if identity and logit_rows == mask_rows and len(mask_rows) == logits.shape[0]:
+            apply_bitmask_triton(logits, mask, None, None)
+        else:
+            index = to_device([logit_rows, mask_rows], torch.int64, device)
+            apply_bitmask_triton(logits, mask, index[0], index[1])
+        return
     if device.type == "cpu":
         forbidden = _forbidden_cpu(bitmask if identity else bitmask[mask_rows], vocab)
     else:
@@ -117,6 +128,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: list[
         return
     index = to_device(logit_rows, torch.int64, device)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+def _triton() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        from pagedllm.layers.fused_ops import triton_available
+
+        _TRITON = triton_available()
+    return _TRITON
+
+
+_TRITON: bool | None = None
 
 
 def forbidden_by_shifts(mask: torch.Tensor, vocab: int) -> torch.Tensor:
