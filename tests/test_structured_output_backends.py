@@ -105,3 +105,25 @@ def test_the_frontend_check_remembers_a_constraint_that_passed(monkeypatch: pyte
         with pytest.raises(ValueError, match="^structured_outputs.regex"):
             check(StructuredOutputsParams(regex="a\x00b"))
     assert len(calls) == 5
+
+
+def test_requests_of_one_constraint_share_a_keyed_copy() -> None:
+    """The check returns one keyed copy per constraint (constraints.keyed_constraint): a dict schema as its
+    JSON text in its own order, its key kept on the copy; the caller's params are never the ones keyed, so a
+    schema changed in place after a request is a new constraint, and two property orders are two grammars."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.structured_output.constraints import constraint_key
+    from pagedllm.structured_output.selection import structured_outputs_check
+
+    check = structured_outputs_check(get_plugin_manager(), EngineConfig())
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    mine = StructuredOutputsParams(json=schema)
+    first, second = check(mine), check(StructuredOutputsParams(json=dict(schema)))
+    assert first is second and first is not mine and mine.json is schema
+    assert first.json == json.dumps(schema) and "_constraint_key" not in mine.__dict__
+    assert constraint_key(first) == constraint_key(mine) == first.__dict__["_constraint_key"]
+    schema["properties"]["c"] = {"type": "boolean"}  # the caller changes its dict in place
+    third = check(mine)
+    assert third is not first and '"c"' in third.json and constraint_key(third) != constraint_key(first)
+    reordered = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
+    assert constraint_key(StructuredOutputsParams(json=reordered)) != constraint_key(first)

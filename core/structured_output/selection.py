@@ -18,7 +18,7 @@ from pagedllm.plugin_manager import PluginManager
 from pagedllm.plugin_spec import PluginKind
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.selector import Selection, SelectionError, select
-from pagedllm.structured_output.constraints import constraint_key
+from pagedllm.structured_output.constraints import constraint_key, keyed_constraint
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -50,7 +50,8 @@ def structured_outputs_check(
     pm: PluginManager, config: EngineConfig
 ) -> Callable[[StructuredOutputsParams], StructuredOutputsParams]:
     """The frontends' request-building check, bound to the engine's plugins and its `structured_outputs`
-    section: returns the constraint the engine runs (the config's engine-wide options applied), or raises."""
+    section: returns the constraint the engine runs (the config's engine-wide options applied; one keyed copy,
+    constraints.keyed_constraint, shared by every request of the same constraint), or raises."""
     section = config.structured_outputs
     passed = KeyCache()
 
@@ -58,11 +59,15 @@ def structured_outputs_check(
         if section.disable_any_whitespace and not params.disable_any_whitespace:
             params = dataclasses.replace(params, disable_any_whitespace=True)
         key = selection_key(params)
-        if key is None or passed.get(key) is None:
+        if key is None:
             validate_structured_outputs(pm, params, section.backend)
-            if key is not None:
-                passed.put(key, True)
-        return params
+            return params
+        checked = passed.get(key)
+        if checked is None:
+            validate_structured_outputs(pm, params, section.backend)
+            checked = keyed_constraint(params)
+            passed.put(key, checked)
+        return checked
 
     return check
 
