@@ -185,6 +185,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.accept_threads is not None:
         from pagedllm.plugins.structured_output.xgrammar import backend as xgrammar_backend
         xgrammar_backend._ACCEPT_THREADS = args.accept_threads
+    if args.no_ahead:
+        from pagedllm.plugins.structured_output.xgrammar.backend import XgrammarGrammar
+        XgrammarGrammar.gil_free_batches = False  # accepted by the engine thread's advance, filled at sampling
     if args.switch_interval_us is not None:
         from pagedllm.structured_output import ahead
         ahead.SWITCH_INTERVAL_S = args.switch_interval_us * 1e-6
@@ -194,7 +197,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                               "prompt_tokens_mean": statistics.mean(len(x) for x in all_ids), "levels": {},
                               "settings": {"grammar_threads": args.grammar_threads,
                                            "accept_threads": args.accept_threads,
-                                           "switch_interval_us": args.switch_interval_us}}
+                                           "switch_interval_us": args.switch_interval_us,
+                                           "no_ahead": args.no_ahead}}
     for n in levels:
         ids = all_ids[:n]
         warm = {mode: engine.run(ids, mode) for mode in ("free", "schema")}
@@ -258,6 +262,8 @@ def main() -> int:
                     "accept and fill (default: the backend's, half the cores, at most 4 for accept)")
     ap.add_argument("--accept-threads", type=int, default=None, help="pagedllm only: threads of the batch accept "
                     "alone (the fill keeps its own)")
+    ap.add_argument("--no-ahead", action="store_true", help="pagedllm only: no grammar worker beside the "
+                    "engine thread (structured_output/manager.py NOTE 4): accept and fill on the engine thread")
     ap.add_argument("--switch-interval-us", type=float, default=None, help="pagedllm only: the interpreter's "
                     "switch interval while the grammar worker runs (structured_output/ahead.py NOTE 1)")
     ap.add_argument("--save-tokenizer", metavar="DIR", default=None)
