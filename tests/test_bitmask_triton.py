@@ -59,6 +59,29 @@ def test_the_kernel_masks_what_xgrammar_masks(interpreted: dict, name: str) -> N
     assert interpreted[name] is True
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_kernel_compiles_for_sm90() -> None:
+    """Through Triton's compiler for sm_90 (offline: no GPU), over bf16, fp16 and fp32 logits, indexed or not."""
+    from offline_compile import compile_offline
+
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.structured_output import bitmask_triton as t\n"
+        "fn = t._apply_bitmask\n"
+        "for dt, indexed in (('bf16', True), ('fp16', False), ('fp32', True)):\n"
+        "    cons = dict(BLOCK=t.BLOCK, INDEXED=indexed)\n"
+        "    ptrs = {'logits_ptr': '*' + dt, 'mask_ptr': '*i32', 'logit_rows_ptr': '*i64', 'mask_rows_ptr': '*i64'}\n"
+        "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, 'i32') for a in fn.arg_names}\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
+        "                   options={'num_warps': 4})\n"
+        "print('ok')\n"
+    )
+    compile_offline(code)
+
+
 if __name__ == "__main__":
     import json
 
