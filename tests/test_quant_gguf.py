@@ -268,10 +268,13 @@ def test_tiny_gguf_greedy_kept_quantized_equals_dequantized(
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="no C compiler for the fused CPU ops")
-def test_cpu_decode_plan_is_bit_identical_to_the_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cpu_decode_plan_is_bit_identical_to_the_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache_dtype: str
+) -> None:
     """The one-token decode as pre-bound C calls (plugins/models/llama/cpu_decode.py) gives the module path's
     tokens and logprobs bit for bit, and is what a kept-quantized Llama decode runs: as one C call a step, and
-    as the Python loop over the same calls that it replaces."""
+    as the Python loop over the same calls that it replaces; with a float32 and a bf16 KV cache."""
     from pagedllm.plugins.models.llama.cpu_decode import CpuDecodePlan
     from pagedllm.plugins.models.llama.model import LlamaModel
 
@@ -280,7 +283,10 @@ def test_cpu_decode_plan_is_bit_identical_to_the_modules(tmp_path: Path, monkeyp
     prompt = [5, 70, 80, 90, 100, 3]
 
     def run(loop_too: bool = False) -> tuple[Any, ...]:
-        engine = LLMEngine(EngineConfig(model=str(path)), plugin_manager=plugin_manager())
+        engine = LLMEngine(EngineConfig(model=str(path), kv_cache={"cache_dtype": cache_dtype}),
+                           plugin_manager=plugin_manager())
+        kv = engine.core.parts.runner.kv_caches
+        assert (next(iter(kv.values())) if isinstance(kv, dict) else kv[0]).dtype == getattr(torch, cache_dtype)
         outs = [greedy_output(engine, prompt, 24)]
         cached = engine.core.parts.model.model.__dict__.get("_cpu_plan")
         if loop_too:
