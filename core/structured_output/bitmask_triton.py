@@ -1,6 +1,7 @@
 """The token bitmask applied to the logits in one Triton kernel (bitmask.py's accelerator path where Triton is).
 
-Imported only where it is about to run: it imports triton.
+Imported only where it is about to run: it imports triton. Compiled at the first masked step (not by the
+engine's compile-ahead at start-up: most engines never mask), then from Triton's cache on disk.
 
 NOTE: the unfused path (bitmask.forbidden_by_shifts, then masked_fill_) launches ~6 kernels and writes a
 [rows, vocab] bool mask before it reads it back: measured on the H200 at 256 rows of a 49k vocabulary, the
