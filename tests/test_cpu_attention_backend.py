@@ -162,9 +162,8 @@ _ISA_FLAGS = {
 }
 
 
-@pytest.mark.parametrize("isa", list(_ISA_FLAGS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_instruction_set_path_matches(isa: str, dtype: torch.dtype) -> None:
+def _native_and_isa_impls(isa: str, layer: AttentionLayerConfig) -> tuple[Any, Any]:
+    """Two impls of `layer`: the native build's, and one calling the kernel built for `isa` (skips off x86)."""
     import ctypes
     import platform
 
@@ -176,14 +175,19 @@ def test_every_instruction_set_path_matches(isa: str, dtype: torch.dtype) -> Non
     flags = [f for f in pa.FLAGS if f != "-march=native"] + _ISA_FLAGS[isa]
     lib, why = load_native(pa.SOURCE, flags, pa.DISABLE_ENV, "nothing")
     assert lib is not None, why
-    contexts, queries = [100, 7, 0, 40], [1, 1, 50, 21]
-    common, q, k, v, cache, _ = _step(contexts, queries, dtype, seed=11, hs=40)  # a head with a tail
-    layer = AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0)
-    native = CpuAttentionBackend.make_impl(layer)
-    other = CpuAttentionBackend.make_impl(layer)
+    native, other = CpuAttentionBackend.make_impl(layer), CpuAttentionBackend.make_impl(layer)
     fn = lib.cpu_paged_attention
     fn.argtypes, fn.restype = native._fn.argtypes, ctypes.c_int  # type: ignore[attr-defined]
     other._fn = fn
+    return native, other
+
+
+@pytest.mark.parametrize("isa", list(_ISA_FLAGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_instruction_set_path_matches(isa: str, dtype: torch.dtype) -> None:
+    contexts, queries = [100, 7, 0, 40], [1, 1, 50, 21]
+    common, q, k, v, cache, _ = _step(contexts, queries, dtype, seed=11, hs=40)  # a head with a tail
+    native, other = _native_and_isa_impls(isa, AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0))
     md = CpuAttentionBackend.build_metadata(common)
     got, cache2 = other.forward(q, k, v, cache.clone(), md), cache.clone()
     want = native.forward(q, k, v, cache2, md)
@@ -405,24 +409,9 @@ def test_a_bf16_cache_under_float32_decodes_runs_the_quantized_models_kernel() -
 def test_every_instruction_set_path_reads_a_bf16_cache(isa: str) -> None:
     """The portable paths (AVX-512 without BF16, AVX2, plain C) read a bf16 cache under float32 queries as the
     native build does: the same written cache, outputs within float32 rounding."""
-    import ctypes
-    import platform
-
-    from pagedllm.api.kernels import load_native
-    from pagedllm.plugins.attention.cpu import paged_attention as pa
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 instruction sets")
-    flags = [f for f in pa.FLAGS if f != "-march=native"] + _ISA_FLAGS[isa]
-    lib, why = load_native(pa.SOURCE, flags, pa.DISABLE_ENV, "nothing")
-    assert lib is not None, why
     contexts, queries = [100, 7, 0, 40], [1, 1, 50, 21]
     common, q, k, v, cache, _ = _bf16_cache_step(contexts, queries, seed=11, hs=40)  # a head with a tail
-    layer = AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0)
-    native, other = CpuAttentionBackend.make_impl(layer), CpuAttentionBackend.make_impl(layer)
-    fn = lib.cpu_paged_attention
-    fn.argtypes, fn.restype = native._fn.argtypes, ctypes.c_int  # type: ignore[attr-defined]
-    other._fn = fn
+    native, other = _native_and_isa_impls(isa, AttentionLayerConfig(9, 40, 3, 40**-0.5, 30, 25.0))
     md = CpuAttentionBackend.build_metadata(common)
     cache2 = cache.clone()
     got = other.forward(q, k, v, cache, md)

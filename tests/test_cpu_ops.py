@@ -112,6 +112,30 @@ def _decode_step(lens: list[int], blocks: list[list[int]], bs: int) -> Any:
     return step.attn
 
 
+def _threaded_batch(seed: int) -> tuple[Any, ...]:
+    """12 decode requests of 200-343 tokens (9 heads, 3 KV heads, head size 64, blocks of 16): ~3.2M
+    multiply-adds, past the 2^20 at which the kernel shares requests out over threads (cpu_ops.c NOTE 6).
+    Returns (common metadata, a random float32 cache, q, k, v, slots, block table, seq lens)."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(seed)
+    lens = [200 + 13 * i for i in range(12)]
+    assert sum(lens) * heads * hd >= 1 << 20
+    blocks, next_block = [], 1
+    for n in lens:
+        count = -(-n // bs)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(next_block, bs, kv_heads, hd), generator=gen)
+    q = torch.randn(len(lens), heads, hd, generator=gen)
+    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
+    common = _decode_step(lens, blocks, bs)
+    slots = common.slot_mapping.to(torch.int64).contiguous()
+    table = common.block_table.to(torch.int32).contiguous()
+    seq_lens = common.seq_lens_cpu.to(torch.int32).contiguous()
+    return common, cache, q, k, v, slots, table, seq_lens
+
+
+
 @pytest.mark.parametrize("window, soft_cap", [(None, None), (5, None), (None, 30.0)])
 def test_decode_attention(ops: Any, window: int | None, soft_cap: float | None) -> None:
     heads, kv_heads, hd, bs = 9, 3, 64, 4
@@ -204,22 +228,8 @@ def test_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_decode_attention_on_threads_keeps_every_bit(ops: Any) -> None:
     """A batch large enough to share its requests out over threads (cpu_ops.c NOTE 6: >= 2^20 multiply-adds)
     gives the one-thread result bit for bit, and the same as the torch backend's decode."""
-    heads, kv_heads, hd, bs = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(11)
-    lens = [200 + 13 * i for i in range(12)]  # 12 requests, ~3.2M multiply-adds
-    assert sum(lens) * heads * hd >= 1 << 20
-    blocks, next_block = [], 1
-    for n in lens:
-        count = -(-n // bs)
-        blocks.append(list(range(next_block, next_block + count)))
-        next_block += count
-    cache = torch.randn(TorchSDPABackend.kv_cache_shape(next_block, bs, kv_heads, hd), generator=gen)
-    q = torch.randn(len(lens), heads, hd, generator=gen)
-    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
-    common = _decode_step(lens, blocks, bs)
-    slots = common.slot_mapping.to(torch.int64).contiguous()
-    table = common.block_table.to(torch.int32).contiguous()
-    seq_lens = common.seq_lens_cpu.to(torch.int32).contiguous()
+    heads, kv_heads, hd = 9, 3, 64
+    common, cache, q, k, v, slots, table, seq_lens = _threaded_batch(seed=11)
     outs, caches = [], []
     for threads in (1, 2, 3):
         c = cache.clone()
@@ -295,21 +305,8 @@ def test_decode_attention_over_a_bf16_cache(ops: Any, flags: list[str]) -> None:
                                "PAGEDLLM_CPU_OPS", "nothing")
         assert lib is not None, why
         kernel = cpu_ops_module.CpuOps(lib)
-    heads, kv_heads, hd, bs = 9, 3, 64, 16
-    gen = torch.Generator().manual_seed(13)
-    lens = [200 + 13 * i for i in range(12)]  # > 2^20 multiply-adds: shared out over threads (NOTE 6)
-    blocks, next_block = [], 1
-    for n in lens:
-        count = -(-n // bs)
-        blocks.append(list(range(next_block, next_block + count)))
-        next_block += count
-    cache = torch.randn(TorchSDPABackend.kv_cache_shape(next_block, bs, kv_heads, hd), generator=gen)
-    q = torch.randn(len(lens), heads, hd, generator=gen)
-    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
-    common = _decode_step(lens, blocks, bs)
-    slots = common.slot_mapping.to(torch.int64).contiguous()
-    table = common.block_table.to(torch.int32).contiguous()
-    seq_lens = common.seq_lens_cpu.to(torch.int32).contiguous()
+    heads, kv_heads, hd = 9, 3, 64
+    common, cache, q, k, v, slots, table, seq_lens = _threaded_batch(seed=13)
     bf16, f32 = cache.to(torch.bfloat16), cache.to(torch.bfloat16).float()
     kr, vr = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
     got = kernel.decode_attention(q, k, v, bf16, slots, table, seq_lens, hd**-0.5, None, None, threads=2)

@@ -23,6 +23,7 @@ from pagedllm.config import EngineConfig, plugin_section, validate_plugin_sectio
 from pagedllm.default_model import resolve_model_reference
 from pagedllm.distributed.pp_partition import check_pipeline_parallel
 from pagedllm.distributed.shard_check import check_tensor_parallel
+from pagedllm.engine.attention_choice import select_attention, select_attention_for_cache
 from pagedllm.engine.cpu_sizes import resolve_cpu_sizes
 from pagedllm.engine.kv_plan import DTYPES, KVPlan, plan_kv_cache
 from pagedllm.engine.runner_plugins import RunnerPlugins, TargetFacts, build_runner_plugins
@@ -47,7 +48,6 @@ from pagedllm.protocols.loader import LoadedModelInfo
 from pagedllm.protocols.model import KernelOptions, ModelBuildContext
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sched.base import SchedulerContext
-from pagedllm.selection_context import AttentionSelectionContext
 from pagedllm.selector import Selection, SelectionError, select
 from pagedllm.worker.cuda_graphs import GPURunnerOptions
 from pagedllm.worker.model_runner import ModelRunner
@@ -340,11 +340,11 @@ def _select_components(
     if device.type == "cpu":
         kv_choice = choose_cpu_kv_cache_dtype(kv_cache_dtype, str(dtype).removeprefix("torch."), quant_sel.winner.name,
                                               cpu_features(), config.cpu_kernels)
-        attention_sel, kv_cache_dtype, kv_note = _select_attention_for_cache(
+        attention_sel, kv_cache_dtype, kv_note = select_attention_for_cache(
             config, pm, hf_config, model_cls, device, dtype, dense, kv_choice.value, kv_choice.reason)
         notes = (*notes, kv_note)
     else:
-        attention_sel = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, kv_cache_dtype)
+        attention_sel = select_attention(config, pm, hf_config, model_cls, device, dtype, dense, kv_cache_dtype)
     backend = attention_sel.load()
     configure = getattr(backend, "configure", None)  # AttentionBackend's optional member: per-engine options
     if configure is not None:
@@ -381,57 +381,6 @@ def _kernel_options(config: EngineConfig, quant_config: Any, device: torch.devic
         cpu_ops = provider()
     # Fused Triton norm/rotary/activation kernels (CUDA tensors only); `fused_ops: false` is the A/B switch.
     return KernelOptions(fused_ops="auto" if config.fused_ops else "off", cpu_ops=cpu_ops)
-
-
-def _select_attention_for_cache(
-    config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
-    dtype: torch.dtype, dense: bool, kv_cache_dtype: str, reason: str,
-) -> tuple[Selection, str, str]:
-    """The attention backend for the CPU's KV-cache dtype choice, the dtype kept and why. A dtype `auto` chose
-    (not the config) that no backend takes -- e.g. bf16 under a float32 model with the `cpu` backend turned off
-    -- falls back to the model's, with the backends' reasons; one the config names is validated strictly."""
-    chosen = kv_cache_dtype != config.kv_cache.cache_dtype
-    try:
-        return _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, kv_cache_dtype), \
-            kv_cache_dtype, reason
-    except SelectionError as exc:
-        if not chosen:
-            raise
-        fallback = config.kv_cache.cache_dtype
-        selection = _select_attention(config, pm, hf_config, model_cls, device, dtype, dense, fallback)
-        return selection, fallback, f"{reason}; but no attention backend takes it ({exc}): the model's dtype"
-
-
-def _select_attention(
-    config: EngineConfig, pm: PluginManager, hf_config: Any, model_cls: Any, device: torch.device,
-    dtype: torch.dtype, dense: bool, kv_cache_dtype: str,
-) -> Selection:
-    num_attention_heads = getattr(hf_config, "num_attention_heads", None)
-    if num_attention_heads:
-        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_attention_heads
-    else:
-        # Attention-free models (Mamba): the backend only builds the step metadata, so ask with a head size
-        # every backend supports rather than a meaningless one that would rule out the CUDA-graph backends.
-        head_size = 128
-    attn_ctx = AttentionSelectionContext(
-        device_type=device.type,
-        compute_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        dtype=str(dtype).removeprefix("torch."),
-        kv_cache_dtype=kv_cache_dtype,
-        head_size=head_size,
-        block_size=config.kv_cache.block_size,
-        sliding_window=bool(getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)),
-        logits_soft_cap=bool(getattr(hf_config, "attn_logit_softcapping", None)),
-        # A model class with learned attention sinks says so (CausalLM's optional `attention_sinks`).
-        sinks=bool(getattr(model_cls, "attention_sinks", False)),
-        # Chunked local attention layers (Llama 4): only backends that mask by chunk may serve them.
-        chunked_local=bool(getattr(hf_config, "attention_chunk_size", None)),
-        # Decode CUDA graphs will be captured: backends without them rank themselves lower (priority_for).
-        cuda_graphs=device.type == "cuda" and not config.enforce_eager,
-        # Only a dense model promises its float reference's numerics (AttentionSelectionContext.exact_reference).
-        exact_reference=dense,
-    )
-    return select(pm, PluginKind.ATTENTION, attn_ctx, requested=config.attention.backend)
 
 
 def _select_quantization(

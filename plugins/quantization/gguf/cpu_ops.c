@@ -65,6 +65,16 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)(u >> 16);
 }
 
+#ifdef CPU_SIMD
+/* the 8 lanes' sum: halves, then pairs, then the last two (one fixed tree, so every caller rounds alike) */
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
 /* sum of a[i] * b[i] for i < n (NOTE 2) */
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -76,11 +86,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     }
     for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    __m256 v = _mm256_add_ps(acc0, acc1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    s = _mm_cvtss_f32(h);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -116,11 +122,7 @@ static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8_bf16(b + i + 8), acc1);
     }
     for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc0);
-    __m256 v = _mm256_add_ps(acc0, acc1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    s = _mm_cvtss_f32(h);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
     return s;
@@ -171,10 +173,7 @@ static inline float exp_shifted(float *p, int64_t n, float m) {
         _mm256_storeu_ps(p + j, e);
         acc = _mm256_add_ps(acc, e);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sum = _mm_cvtss_f32(h);
+    sum = hsum8(acc);
 #endif
     for (; j < n; j++) {
         p[j] = expf(p[j] - m);
