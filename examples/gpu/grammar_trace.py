@@ -8,13 +8,11 @@ pre-accepted tokens, requests awaiting a grammar, matchers alive, the cached com
 process RSS and the GC collections during the run. A workload that slows down repeat after repeat shows here
 as a growing number: a state size that grows is what accumulates; a time per step that grows says where.
 
-`gpu_idle_ms` (CUDA only): the stream's idle time between the runner's queueing regions, read from timing
-events recorded at the entry and exit of each (a forward with its logits, a sampling). The gap between one
-region's exit event and the next region's entry event is time the GPU reached the first and had nothing to
-do until the host queued the second; ~0 when the GPU was still busy. A masked step is sampled at the runner's
-next call, after the grammar join (pipelined_step.py NOTE 5), so its gaps split into `before_sample` (the
-engine's host work and the join) and `before_forward` (the next step's input preparation after the sample);
-free text samples right after its forward and has only `before_forward`.
+`step_parts`: medians over the run's steady steps of the time between consecutive marks -- on the GPU between
+CUDA events at the entry and exit of the sampling and of the decode CUDA graph (a gap from one region's exit to
+the next one's entry that the host did not fill is idle time), on the host between the engine thread's marks
+(the ids wait, the grammar join, the sampling, the graph) and between the worker's (task start, ids fetched,
+accepted, filled). A masked step is sampled at the runner's next call, after the join (pipelined_step.py NOTE 5).
 """
 
 from __future__ import annotations
