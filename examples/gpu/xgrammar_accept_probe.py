@@ -3,47 +3,81 @@
     python examples/gpu/xgrammar_accept_probe.py TOKENIZER_DIR
 
 The matchers walk bench_structured.py's JSON schema with random allowed tokens (paths computed first), so the
-timed loop runs only xgrammar's calls: the accept's median over the steps, and the fill's where one runs.
+timed loop runs only xgrammar's calls. Prints, per variant, the accept's median ms over the steps and the
+fill's (xgrammar's default threads, or one thread) where one runs between the accepts.
 """
-import sys, time, random, json, statistics
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
-import torch, xgrammar as xgr
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import xgrammar as xgr
 from transformers import AutoTokenizer
-from bench_structured import SCHEMA
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152)
-comp = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
-N, STEPS = 256, 30
-raw = xgr.base._core.BatchGrammarMatcher.batch_accept_token
-rng = random.Random(0)
-# precompute valid token paths
-ms = [xgr.GrammarMatcher(comp) for _ in range(N)]
-bm = torch.full((N, 49152 // 32), -1, dtype=torch.int32)
-batch = xgr.BatchGrammarMatcher()
-paths = []
-for s in range(STEPS):
-    batch.batch_fill_next_token_bitmask(ms, bm, list(range(N)))
-    toks = []
-    for i in range(N):
-        row = bm[i].numpy().view('uint32')
-        allowed = [w * 32 + b for w in range(len(row)) if row[w] for b in range(32) if row[w] >> b & 1]
-        allowed = [a for a in allowed if a not in info.stop_token_ids] or allowed
-        toks.append(rng.choice(allowed))
-    assert all(raw([m._handle for m in ms], toks, False))
-    paths.append(toks)
-print("paths ready", flush=True)
-def timed(between):
-    ms = [xgr.GrammarMatcher(comp) for _ in range(N)]
-    acc, fill = [], []
-    for s in range(STEPS):
-        t = time.perf_counter(); v = raw([m._handle for m in ms], paths[s], False); acc.append(time.perf_counter() - t)
-        if between == "fill":
-            t = time.perf_counter(); batch.batch_fill_next_token_bitmask(ms, bm, list(range(N))); fill.append(time.perf_counter() - t)
-        elif between == "fill1":
-            t = time.perf_counter(); b1.batch_fill_next_token_bitmask(ms, bm, list(range(N))); fill.append(time.perf_counter() - t)
-        else:
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_structured import SCHEMA  # noqa: E402
+
+N, STEPS, VOCAB = 256, 30, 49152
+RAW_ACCEPT = xgr.base._core.BatchGrammarMatcher.batch_accept_token
+
+
+def allowed_ids(row: torch.Tensor, stop_ids: set[int]) -> list[int]:
+    words = row.numpy().view("uint32")
+    ids = [w * 32 + b for w in range(len(words)) if words[w] for b in range(32) if words[w] >> b & 1]
+    return [t for t in ids if t not in stop_ids] or ids
+
+
+def token_paths(compiled: Any, stop_ids: set[int], bitmask: torch.Tensor) -> list[list[int]]:
+    """STEPS batches of one random allowed token per matcher, each accepted by a walk from the start."""
+    rng = random.Random(0)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(N)]
+    fill = xgr.BatchGrammarMatcher()
+    paths = []
+    for _ in range(STEPS):
+        fill.batch_fill_next_token_bitmask(matchers, bitmask, list(range(N)))
+        tokens = [rng.choice(allowed_ids(bitmask[i], stop_ids)) for i in range(N)]
+        assert all(RAW_ACCEPT([m._handle for m in matchers], tokens, False))
+        paths.append(tokens)
+    return paths
+
+
+def timed(compiled: Any, paths: list[list[int]], bitmask: torch.Tensor,
+          fill: Any | None) -> tuple[float, float | None]:
+    """Median ms of the accept (and of the fill run between two accepts; a 2 ms sleep where `fill` is None)."""
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(N)]
+    accepts, fills = [], []
+    for tokens in paths:
+        t = time.perf_counter()
+        RAW_ACCEPT([m._handle for m in matchers], tokens, False)
+        accepts.append(time.perf_counter() - t)
+        if fill is None:
             time.sleep(0.002)
-    return round(1e3 * statistics.median(acc[3:]), 3), round(1e3 * statistics.median(fill[3:]), 3) if fill else None
-b1 = xgr.BatchGrammarMatcher(max_threads=1)
-for v in ["sleep", "fill", "fill1", "sleep", "fill"]:
-    print(v, timed(v), flush=True)
+            continue
+        t = time.perf_counter()
+        fill.batch_fill_next_token_bitmask(matchers, bitmask, list(range(N)))
+        fills.append(time.perf_counter() - t)
+    fill_ms = round(1e3 * statistics.median(fills[3:]), 3) if fills else None
+    return round(1e3 * statistics.median(accepts[3:]), 3), fill_ms
+
+
+def main() -> None:
+    tok = AutoTokenizer.from_pretrained(sys.argv[1])
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB)
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    bitmask = torch.full((N, VOCAB // 32), -1, dtype=torch.int32)
+    paths = token_paths(compiled, set(info.stop_token_ids), bitmask)
+    print("paths ready", flush=True)
+    variants = {"sleep": None, "fill": xgr.BatchGrammarMatcher(), "fill1": xgr.BatchGrammarMatcher(max_threads=1)}
+    for name in ("sleep", "fill", "fill1", "sleep", "fill"):
+        print(name, timed(compiled, paths, bitmask, variants[name]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
