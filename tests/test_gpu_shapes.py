@@ -183,6 +183,23 @@ def test_the_table_names_the_shape_and_refuses_another_shapes_baseline(suite: Mo
     assert "ran llama-3.1-8b, not qwen3-4b" in suite.table(ours, legacy)
 
 
+def test_a_quantized_run_is_compared_with_vllms_run_of_the_same_format(shapes: ModuleType, suite: ModuleType) -> None:
+    ours = {"shape": "llama-3.1-8b", "quantization": "gptq", "startup_s": 9.0, "w3_limit_ms": 1.0,
+            "workloads": {"W1": {"total_tokens_per_s": 120.0}}}
+    marlin = {"shape": "llama-3.1-8b", "quantization": "gptq", "quantization_resolved": "gptq_marlin",
+              "startup_s": 90.0, "workloads": {"W1": {"total_tokens_per_s": 100.0}}}
+    text = suite.table(ours, marlin)
+    assert "| workload (llama-3.1-8b, gptq) |" in text and "1.200x" in text and "gptq_marlin" in text
+    bf16 = {k: v for k, v in marlin.items() if not k.startswith("quantization")}
+    assert "ran llama-3.1-8b in bf16, not llama-3.1-8b, gptq" in suite.table(ours, bf16)
+    assert "x |" not in suite.table(ours, {**marlin, "quantization": "awq"})
+    # Both sides name their files after the format, and write the same checkpoint config for it.
+    args = suite.parse_args(["--quantization", "awq"])
+    assert Path(args.out).name == "pagedllm_suite_awq.json" == f"pagedllm_suite{shapes.result_suffix(args.shape, 'awq')}.json"
+    assert suite.checkpoint_quantization("awq") == shapes.CHECKPOINT_QUANTIZATION["awq"]
+    assert suite.checkpoint_quantization("fp8") is None and "fp8" in shapes.SIDE_BY_SIDE_QUANTIZATION
+
+
 def test_side_by_side_script_parses() -> None:
     script = GPU_DIR / "device" / "side_by_side.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)

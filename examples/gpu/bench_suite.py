@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_shapes import (  # noqa: E402
+    CHECKPOINT_QUANTIZATION,
     DEFAULT_SHAPE,
     ID_LOW,
     SHAPES,
@@ -57,20 +58,13 @@ from model_shapes import (  # noqa: E402
     shape_config,
 )
 
-# The quantization_config real checkpoints of each format carry (AutoGPTQ v1 symmetric; AutoAWQ GEMM).
-CHECKPOINT_QUANTIZATION: dict[str, dict[str, Any]] = {
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
-             "checkpoint_format": "gptq"},
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-}
-
 
 def checkpoint_quantization(name: str | None) -> dict[str, Any] | None:
     """The config.json quantization_config for `--quantization name`; None: none, or an on-the-fly method."""
     if name is None:
         return None
     if name in CHECKPOINT_QUANTIZATION:
-        return CHECKPOINT_QUANTIZATION[name]
+        return dict(CHECKPOINT_QUANTIZATION[name])
     if name.startswith("gguf-"):  # random blocks of that type (plugins/quantization/gguf_blocks.random_blocks)
         return {"quant_method": "gguf", "dummy_type": name.removeprefix("gguf-").upper()}
     return None
@@ -306,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_dir is None:
         args.model_dir = default_model_dir(args.shape, "_pagedllm")
     if args.out is None:
-        args.out = os.path.join(os.environ.get("OUT", "."), f"pagedllm_suite{result_suffix(args.shape)}.json")
+        args.out = os.path.join(os.environ.get("OUT", "."), f"pagedllm_suite{result_suffix(args.shape, args.quantization)}.json")
     return args
 
 
@@ -451,13 +445,18 @@ def _vllm_figure(vllm: dict[str, Any] | None, name: str) -> float | None:
 
 
 def table(ours: dict[str, Any], vllm: dict[str, Any] | None) -> str:
-    shape = ours.get("shape", DEFAULT_SHAPE)
-    lines = [f"| workload ({shape}) | pagedllm | vLLM (same run) | ratio |", "|---|---|---|---|"]
-    # A vLLM JSON from before --shape existed ran the default shape. Another shape's figures are no baseline.
-    theirs_shape = vllm.get("shape", DEFAULT_SHAPE) if vllm else shape
-    if theirs_shape != shape:
-        lines.append(f"| vLLM's JSON ran {theirs_shape}, not {shape}: no vLLM figures | | | |")
+    shape, quant = ours.get("shape", DEFAULT_SHAPE), ours.get("quantization")
+    label = shape + (f", {quant}" if quant else "")
+    lines = [f"| workload ({label}) | pagedllm | vLLM (same run) | ratio |", "|---|---|---|---|"]
+    # A vLLM JSON from before --shape (--quantization) existed ran the default shape (in bf16). Another shape's
+    # or another format's figures are no baseline.
+    their_run = (vllm.get("shape", DEFAULT_SHAPE), vllm.get("quantization")) if vllm else (shape, quant)
+    if their_run != (shape, quant):
+        ran = their_run[0] + (f", {their_run[1]}" if their_run[1] else " in bf16" if quant else "")
+        lines.append(f"| vLLM's JSON ran {ran}, not {label}: no vLLM figures | | | |")
         vllm = None
+    elif vllm and vllm.get("quantization_resolved"):
+        lines.append(f"| vLLM's quantization method: {vllm['quantization_resolved']} | | | |")
     for name, row in ours["workloads"].items():
         mine = row["tpot_ms_median"] if name == "W3" else row["total_tokens_per_s"]
         theirs = _vllm_figure(vllm, name)

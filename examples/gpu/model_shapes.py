@@ -120,6 +120,21 @@ def write_config(model_dir: str, shape: str = DEFAULT_SHAPE, overrides: dict[str
     return model_dir
 
 
-def result_suffix(shape: str) -> str:
-    """Appended to result and log names: empty for the default, so the 8B's file names stay as they were."""
-    return "" if shape == DEFAULT_SHAPE else f"_{shape}"
+# The quantization_config real checkpoints of each format carry (AutoGPTQ v1 symmetric; AutoAWQ GEMM): both
+# sides write it into the config folder, so vLLM builds its Marlin layers (gptq_marlin, awq_marlin on sm_80+)
+# and pagedllm its W4A16 ones over dummy packed weights of the same shapes.
+CHECKPOINT_QUANTIZATION: dict[str, dict[str, Any]] = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+# Methods that quantize a bf16 checkpoint while it loads: no quantization_config, the engine is told instead
+# (vLLM `LLM(quantization="fp8")`: e4m3 weights, dynamic activation scales; pagedllm `quantization.method`).
+ON_THE_FLY_QUANTIZATION = ("fp8",)
+SIDE_BY_SIDE_QUANTIZATION = (*CHECKPOINT_QUANTIZATION, *ON_THE_FLY_QUANTIZATION)
+
+
+def result_suffix(shape: str, quantization: str | None = None) -> str:
+    """Appended to result and log names: empty for the default shape in bf16, so the 8B's file names stay as they
+    were; another shape adds `_SHAPE`, a quantization `_METHOD`."""
+    return ("" if shape == DEFAULT_SHAPE else f"_{shape}") + (f"_{quantization}" if quantization else "")
