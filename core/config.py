@@ -257,7 +257,7 @@ class EngineConfig(_Section):
     dense_gemv: bool = Field(
         True,
         description="on CUDA, dense 16-bit linears and the LM head run a Triton split-K GEMV at decode sizes "
-        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: plugins/quantization/unquantized/dense_gemv.py; W3 "
+        "(<= 4 rows, shapes where the H200 sweep found it faster than cuBLAS: core/layers/dense_gemv.py; W3 "
         "4.86 -> 4.24 ms/token there); false: always cuBLAS",
     )
     gated_gemm: bool = Field(

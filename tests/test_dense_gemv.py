@@ -1,12 +1,14 @@
-"""The dense decode GEMV (the unquantized plugin's dense_gemv_kernel.py) against torch's matmul, under Triton's interpreter, and
-its dispatch rule (dense_gemv.py).
+"""The dense decode GEMV (core/layers/dense_gemv_kernel.py, shared by the unquantized and FP8 methods) against torch's
+matmul, under Triton's interpreter, and its dispatch rule (dense_gemv.py).
 
 Kernel cases run in a child process (this file as a script: TRITON_INTERPRET is set before triton is
 imported) and the tests read its JSON. Bound, elementwise, with S = |x| @ |W|^T computed in float64:
     float32   |y - ref| <= 2e-7 * S                  summation order only (K <= 1040 here)
     float16   |y - ref| <= ulp16(ref) + 2e-7 * S     plus the one rounding of y to float16
     gated     x = silu(gate) * up as SiluAndMul's torch code rounds it; float16: 2e-4 * S (an input's ulp)
-and against F.linear in the same dtype on the CPU: at most one float16 ulp apart. Split-K cases also check
+and against F.linear in the same dtype on the CPU: at most one float16 ulp apart. FP8 weights (NOTE 7: e4m3 with a
+float32 scale per row) against float64 products of the same e4m3 values times their scales, within the same
+bounds, and through the FP8 linear method's decode route. Split-K cases also check
 the in-kernel sum (NOTE 2): the same bits on a second run, tickets back to zero. bf16 is not run: the
 interpreter's bf16 math is wrong (the GPU sweep, examples/gpu/gemv_sweep.py, checks bf16 against cuBLAS).
 """
@@ -41,11 +43,70 @@ CASES = [
 ]
 
 
+# (name, M, N, K, activation dtype, bias, blocks): e4m3 weights, one float32 scale per row (kernel NOTE 7)
+FP8_CASES = [
+    ("fp8_m1_fp16_split2_bias", 1, 64, 512, "float16", True, (8, 128, 1, 2)),
+    ("fp8_m4_fp32_odd_direct", 4, 37, 520, "float32", False, (2, 128, 1, 1)),
+    ("fp8_m2_fp16_rule_wide", 2, 48, 1024, "float16", False, (4, 1024, 4, 1)),
+]
+
+
+def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows in e4m3 with a per-row scale (the FP8 method's quantize_rows: max|row| / 448 per row)."""
+    w = torch.randn(n, k) * 0.05 * torch.linspace(0.5, 4.0, n)[:, None]  # rows of different ranges
+    scale = w.abs().amax(dim=1) / 448.0
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def _run_fp8(results: dict[str, Any]) -> None:
+    from pagedllm.layers import dense_gemv_kernel as kernel
+
+    for i, (name, m, n, k, dtype_name, has_bias, blocks) in enumerate(FP8_CASES):
+        dtype = getattr(torch, dtype_name)
+        torch.manual_seed(100 + i)
+        x = torch.randn(m, k).to(dtype)
+        w_q, scale = _fp8_weight(n, k)
+        b = (torch.randn(n) * 0.1).to(dtype) if has_bias else None
+        y = kernel.dense_gemv(x, w_q, b, blocks, row_scale=scale)
+        w = w_q.double() * scale.double()[:, None]
+        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+        size = x.double().abs() @ w.abs().T
+        ulp: torch.Tensor | float = 0.0
+        if dtype == torch.float16:
+            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+        results[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
+                         "worst_over_bound": float(((y.double() - ref).abs() / (2e-7 * size + ulp)).max()),
+                         "same_bits_twice": bool(torch.equal(y, kernel.dense_gemv(x, w_q, b, blocks, row_scale=scale)))}
+    # The FP8 method's decode route: its layer (weights quantized while loading) through the GEMV where the rule
+    # gives blocks -- here forced, as the rule declines CPU tensors -- against its own CPU path (dequantized).
+    from pagedllm.layers.dense_gemv import DenseGemvBlocks
+    from pagedllm.plugins.quantization.fp8 import method as fp8_method
+
+    layer = torch.nn.Module()
+    layer.output_partition_sizes = [24, 40]  # type: ignore[assignment]
+    scheme = fp8_method.Fp8Scheme(checkpoint_fp8=False, weight_strategy="channel", activations="dynamic")
+    meth = fp8_method.Fp8LinearMethod(scheme)
+    meth.create_weights(layer, 256, [24, 40], torch.float16)
+    with torch.no_grad():
+        layer.weight.copy_((torch.randn(64, 256) * 0.05).to(torch.float16))
+    meth.process_weights_after_loading(layer)
+    x = torch.randn(3, 256).to(torch.float16)
+    cpu_path = meth.apply(layer, x, None)
+    saved = fp8_method.gemv_blocks
+    fp8_method.gemv_blocks = lambda *a: DenseGemvBlocks(8, 128, 1, 2)  # type: ignore[assignment]
+    try:
+        routed = meth.apply(layer, x, None)
+    finally:
+        fp8_method.gemv_blocks = saved
+    results["fp8_method_route"] = {"max_rel": float((routed.double() - cpu_path.double()).abs().max()
+                                                    / cpu_path.double().abs().max())}
+
+
 def _run() -> dict[str, Any]:
     import torch.nn.functional as F
 
+    from pagedllm.layers import dense_gemv_kernel as kernel
     from pagedllm.layers import split_k
-    from pagedllm.plugins.quantization.unquantized import dense_gemv_kernel as kernel
 
     results: dict[str, Any] = {}
     for i, (name, m, n, k, dtype_name, has_bias, blocks, gated) in enumerate(CASES):
@@ -85,12 +146,14 @@ def _run() -> dict[str, Any]:
     xs = torch.randn(256, 3).T  # stride (1, 3): copied to contiguous rows first
     results["strided"] = {"max_abs": float((kernel.dense_gemv(xs, w3, None, (8, 64, 1, 1))
                                             - F.linear(xs, w3)).abs().max())}
+    _run_fp8(results)
     return results
 
 
 @functools.cache
 def _results() -> dict[str, Any]:
     return dict(run_interpreted(__file__))
+
 
 
 @needs_triton
@@ -105,6 +168,35 @@ def test_gemv_equals_matmul(case: tuple[Any, ...]) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("case", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_weights_with_row_scales(case: tuple[Any, ...]) -> None:
+    name, m, n, _, dtype = case[:5]
+    got = _results()[name]
+    assert got["shape"] == [m, n] and got["dtype"] == f"torch.{dtype}"
+    assert got["worst_over_bound"] <= 1.0 and got["same_bits_twice"], got
+
+
+@needs_triton
+def test_fp8_method_routes_decode_rows_through_the_gemv() -> None:
+    # Both paths multiply the same e4m3 values by the same row scales; they differ by summation order and the
+    # CPU path's rounding of the dequantized weight to float16 (2^-11 relative).
+    assert _results()["fp8_method_route"]["max_rel"] < 2e-3
+
+
+def test_fp8_weights_take_the_rule_on_gpus_that_convert_fp8() -> None:
+    from pagedllm.layers import dense_gemv
+
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    w = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
+    assert dense_gemv.gemv_blocks(x, w, None) is None  # a CPU tensor: the method's own path
+    # 1-byte weights need twice the tile for the same bytes in flight (NOTE 4): the 8B's o projection at one row
+    one, two = (dense_gemv.default_blocks(1, 4096, 4096, 132, element_bytes=e) for e in (1, 2))
+    bytes_in_flight = [dense_gemv.in_flight_bytes(-(-4096 // b.block_n) * b.split_k, 132, b.num_warps,
+                                                  b.block_n * b.block_k * e) for b, e in ((one, 1), (two, 2))]
+    assert min(bytes_in_flight) >= dense_gemv.IN_FLIGHT_BYTES and one != two, (one, two)
+
+
+@needs_triton
 def test_gemv_takes_views() -> None:
     got = _results()
     assert got["three_d"]["max_abs"] < 1e-5 and got["strided"]["max_abs"] < 1e-5, got
@@ -114,7 +206,7 @@ def test_rule_keeps_cpu_and_large_batches_on_torch() -> None:
     """On the CPU, for 32-bit or big batches, or with the switch off, dense_linear is F.linear bit for bit."""
     import torch.nn.functional as F
 
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_TABLE, dense_linear, gemv_blocks
+    from pagedllm.layers.dense_gemv import GEMV_TABLE, dense_linear, gemv_blocks
 
     x = torch.randn(1, 64, dtype=torch.float16)
     w = torch.randn(32, 64, dtype=torch.float16)
@@ -145,7 +237,7 @@ def test_folded_down_leaves_cpu_to_the_two_launch_path() -> None:
 
 def test_default_blocks_fill_the_gpu() -> None:
     """The default split brings each Llama-8B shape to >= ~4 programs per SM, one step per split at least."""
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import default_blocks
+    from pagedllm.layers.dense_gemv import default_blocks
 
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
         for m in (1, 2, 4):
@@ -170,7 +262,7 @@ SWEPT = {
 
 
 def test_single_row_rule_lands_on_the_swept_blocks() -> None:
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_TABLE, choose_blocks
+    from pagedllm.layers.dense_gemv import GEMV_TABLE, choose_blocks
 
     for (n, k), want in SWEPT.items():
         assert tuple(choose_blocks(1, n, k, 132)) == want, (n, k)
@@ -180,7 +272,7 @@ def test_single_row_rule_lands_on_the_swept_blocks() -> None:
 def test_single_row_rule_fills_the_sms_or_splits_k() -> None:
     """Fewer SMs ask for more bytes in flight from each: a 2048-row down projection splits K on a 32-SM part,
     and every choice keeps NOTE 1's layout (BLOCK_K = 8 x 32 x warps) with unmasked loads where it can."""
-    from pagedllm.plugins.quantization.unquantized import dense_gemv as rule
+    from pagedllm.layers import dense_gemv as rule
 
     for sms in (16, 32, 78, 132, 144):
         for n, k in ((2048, 2048), (2048, 8192), (2560, 9728), (16384, 2048), (151936, 2560), (1000, 3000)):
@@ -226,20 +318,24 @@ def test_config_switch() -> None:
 @needs_triton
 def test_compiles_for_sm90() -> None:
     """The kernel through Triton's compiler for sm_90 (offline: no GPU): M = 1 and 4, bf16 / fp16, direct and
-    split, masked and not, with and without a bias, gated, with and without PDL."""
+    split, masked and not, with and without a bias, gated, with and without PDL, e4m3 weights with row scales."""
     code = (
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from pagedllm.plugins.quantization.unquantized import dense_gemv_kernel as t\n"
+        "from pagedllm.layers import dense_gemv_kernel as t\n"
         "fn = t._dense_gemv_kernel\n"
-        "for rows, bn, bk, warps, even, bias, fused, gated, dt, pdl in (\n"
-        "        (1, 8, 1024, 4, True, False, False, False, 'bf16', True),\n"
-        "        (1, 8, 1024, 4, True, False, True, True, 'bf16', False),\n"
-        "        (4, 2, 1024, 4, False, True, True, False, 'fp16', True)):\n"
-        "    cons = dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN=even, HAS_BIAS=bias, FUSED_SPLIT=fused,\n"
-        "                GATED=gated, PDL=pdl)\n"
-        "    ptrs = {'part_ptr': '*fp32', 'ticket_ptr': '*i32'}\n"
+        "for rows, bn, bk, warps, even, bias, fused, gated, dt, pdl, fp8 in (\n"
+        "        (1, 8, 1024, 4, True, False, False, False, 'bf16', True, False),\n"
+        "        (1, 8, 1024, 4, True, False, True, True, 'bf16', False, False),\n"
+        "        (4, 2, 1024, 4, False, True, True, False, 'fp16', True, False),\n"
+        "        (1, 16, 1024, 4, True, False, True, False, 'bf16', False, True),\n"
+        "        (3, 2, 512, 2, False, True, False, False, 'bf16', False, True)):\n"
+        "    cons = dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, EVEN=even, HAS_BIAS=bias, ROW_SCALE=fp8,\n"
+        "                FUSED_SPLIT=fused, GATED=gated, PDL=pdl)\n"
+        "    ptrs = {'part_ptr': '*fp32', 'ticket_ptr': '*i32', 's_ptr': '*fp32'}\n"
+        "    if fp8:  # e4m3 weights, widened in registers (NOTE 7)\n"
+        "        ptrs['w_ptr'] = '*fp8e4nv'\n"
         "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*' + dt) if a.endswith('_ptr') else 'i32'\n"
         "           for a in fn.arg_names}\n"
         "    keys = {(fn.arg_names.index(k),): val for k, val in cons.items()}\n"

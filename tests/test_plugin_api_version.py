@@ -72,9 +72,9 @@ def test_dotted_clauses_parse_to_tuples_integers_stay_majors() -> None:
 
 
 def test_a_plugin_needing_a_later_minor_is_incompatible_naming_both_versions() -> None:
-    assert pagedllm.API_VERSION == "1.8.0"
-    why = incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": ">=1.9,<2"}), pagedllm.API_VERSION)
-    assert why == "supports pagedllm plugin API '>=1.9,<2' but this pagedllm provides plugin API 1.8.0"
+    assert pagedllm.API_VERSION == "1.9.0"
+    why = incompatibility(type("M", (), {"PAGEDLLM_PLUGIN_API": ">=1.10,<2"}), pagedllm.API_VERSION)
+    assert why == "supports pagedllm plugin API '>=1.10,<2' but this pagedllm provides plugin API 1.9.0"
 
 
 def test_a_malformed_range_is_an_incompatibility_naming_it() -> None:
@@ -129,7 +129,7 @@ def test_incompatible_plugin_is_skipped_listed_and_refused_when_requested(
 
 @pytest.mark.parametrize(
     "api",
-    [">=1,<2", ">=1.1,<2", ">=1.2,<2", ">=1.3,<2", ">=1.4,<2", ">=1.5,<2", ">=1.6,<2", ">=1.7,<2", ">=1.8,<2", "==1.8.0"],
+    [">=1,<2", ">=1.1,<2", ">=1.2,<2", ">=1.3,<2", ">=1.4,<2", ">=1.5,<2", ">=1.6,<2", ">=1.7,<2", ">=1.8,<2", ">=1.9,<2", "==1.9.0"],
 )
 def test_compatible_declaration_loads_silently(fake_distribution: MakeDist, api: str) -> None:
     _dist(fake_distribution, "pagedllm-now", "now_plugin", api, name="now")
@@ -141,10 +141,10 @@ def test_compatible_declaration_loads_silently(fake_distribution: MakeDist, api:
 
 
 def test_a_plugin_needing_a_later_minor_is_skipped_and_listed_incompatible(fake_distribution: MakeDist) -> None:
-    _dist(fake_distribution, "pagedllm-newer", "newer_plugin", ">=1.9,<2", name="newer")
+    _dist(fake_distribution, "pagedllm-newer", "newer_plugin", ">=1.10,<2", name="newer")
     pm = PluginManager()
-    with pytest.warns(RuntimeWarning, match=r"supports pagedllm plugin API '>=1.9,<2' but this pagedllm "
-                                            r"provides plugin API 1\.8\.0"):
+    with pytest.warns(RuntimeWarning, match=r"supports pagedllm plugin API '>=1.10,<2' but this pagedllm "
+                                            r"provides plugin API 1\.9\.0"):
         pm.discover()
     assert pm.get(PluginKind.SCHEDULER, "newer") is None
     assert next(r for r in pm.records if r.name == "newer_plugin").status == "incompatible"

@@ -77,7 +77,7 @@ from pagedllm.selection_context import (
 # name, changing a signature or a value type's fields incompatibly needs a major release, and a name to be
 # removed warns (DeprecationWarning) for one minor release first. Plugins declare the majors they support:
 # PAGEDLLM_PLUGIN_API = ">=1,<2" (integer clauses compare the major), or a minor they need: ">=1.1,<2".
-API_VERSION = "1.8.0"
+API_VERSION = "1.9.0"
 PLUGIN_API_VERSION = int(API_VERSION.split(".")[0])
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The dense decode GEMV (plugins/quantization/unquantized/dense_gemv_kernel.py) against cuBLAS on the Llama-3.1-8B shapes, then W3
+"""The dense decode GEMV (core/layers/dense_gemv_kernel.py) against cuBLAS on the Llama-3.1-8B shapes, then W3
 through the engine with the GEMV off and on; one H200, one process.
 
     python examples/gpu/gemv_sweep.py --out $OUT/gemv_sweep.json             # H200, < 200 s
@@ -13,7 +13,7 @@ through the engine with the GEMV off and on; one H200, one process.
      (default blocks first, so a run cut short by the budget still has them); each point's error against a
      float32 reference and against cuBLAS's output, and its bits on a second call (split-K must repeat)
   3. the table: per shape and M the best GEMV against cuBLAS; the layer's four linears summed; GEMV_TABLE
-     entries to paste into plugins/quantization/unquantized/dense_gemv.py (None where cuBLAS wins)
+     entries to paste into core/layers/dense_gemv.py (None where cuBLAS wins)
   4. W3 (1 x 128 in / 512 out, bench_suite's single_stream, median of 3) on one engine with the stage-3 table
      installed: GEMV off, on, on with the LM head on cuBLAS, on without the SiLU folded into down (graphs
      re-captured each time; the last two only while time remains); greedy tokens compared between off and
@@ -106,7 +106,7 @@ def cublas_call(x: torch.Tensor, w: torch.Tensor, gated: bool) -> Callable[[], t
 
 def point(timer: Timer, ws: list[torch.Tensor], x: torch.Tensor, ref: torch.Tensor, cublas_y: torch.Tensor,
           blocks: tuple[int, int, int, int], gated: bool) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
+    from pagedllm.layers.dense_gemv_kernel import dense_gemv
 
     rec: dict[str, Any] = {"blocks": list(blocks)}
     def call(w: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -128,7 +128,7 @@ def point(timer: Timer, ws: list[torch.Tensor], x: torch.Tensor, ref: torch.Tens
 
 
 def sweep(args: argparse.Namespace, t_start: float) -> dict[str, Any]:
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import default_blocks, split_for
+    from pagedllm.layers.dense_gemv import default_blocks, split_for
 
     dry = args.dry_run
     device, dtype = ("cpu", torch.float16) if dry else ("cuda", torch.bfloat16)
@@ -230,7 +230,7 @@ def summarize(out: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> dict[s
 
 def install_table(summary: dict[str, Any]) -> dict[tuple[int, int, int], Any]:
     """Put the sweep's choices into dense_gemv.GEMV_TABLE (this process only), as the engine will read them."""
-    from pagedllm.plugins.quantization.unquantized import dense_gemv
+    from pagedllm.layers import dense_gemv
 
     installed: dict[tuple[int, int, int], Any] = {}
     for key, blocks in summary["gemv_table"].items():
@@ -347,7 +347,7 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"points {len(out['points'])}, failed {len(failed)}, skipped for time {out['skipped']}")
     for p in failed[:5]:
         print("  failed:", p["shape"], p["m"], p["blocks"], p["error"][:160])
-    print("GEMV_TABLE entries for plugins/quantization/unquantized/dense_gemv.py ((M, N, K): (BLOCK_N, BLOCK_K, warps, split) or None):")
+    print("GEMV_TABLE entries for core/layers/dense_gemv.py ((M, N, K): (BLOCK_N, BLOCK_K, warps, split) or None):")
     for key, blocks in s["gemv_table"].items():
         print(f"    {key}: {'DenseGemvBlocks' + str(tuple(blocks)) if blocks else None},")
     if "w3" in out:

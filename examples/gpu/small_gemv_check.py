@@ -12,7 +12,7 @@ one process, no engine.
      and the new ones (dense_gemv.gemv_blocks' choice), timed A B A B in one process (the faster of each
      pair's two medians), TB/s = weight bytes / time; each new point's error against a float32 reference
   2. the verdict: a shape switches only where new <= old + NOISE; elsewhere the script prints the GEMV_TABLE pin that
-     keeps the old blocks (paste it into plugins/quantization/unquantized/dense_gemv.py), and per model the
+     keeps the old blocks (paste it into core/layers/dense_gemv.py), and per model the
      GEMV time of one token (layers x four linears + the LM head), old against new, and its TB/s
   3. --explore: a grid of (BLOCK_N, BLOCK_K, warps, split) for each 1B / 4B shape while the budget lasts;
      the best point per shape is printed beside the rule's
@@ -77,7 +77,7 @@ ARGMAX_CASES = ((1, 128256), (1, 151936), (4, 128256), (16, 151936), (64, 128256
 
 def old_default_blocks(n: int, k: int, sms: int) -> Blocks:
     """dense_gemv.default_blocks at M = 1 as it was: 8 rows, BLOCK_K 1024, K split to ~8 programs per SM."""
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import split_for
+    from pagedllm.layers.dense_gemv import split_for
 
     block_k = 1024
     while block_k > 8 and block_k >= 2 * k:
@@ -90,7 +90,7 @@ def old_blocks(n: int, k: int, sms: int) -> Blocks:
 
 
 def new_blocks(n: int, k: int, sms: int) -> Blocks | None:
-    from pagedllm.plugins.quantization.unquantized.dense_gemv import choose_blocks
+    from pagedllm.layers.dense_gemv import choose_blocks
 
     got = choose_blocks(1, n, k, sms)
     return None if got is None else tuple(got)  # type: ignore[return-value]
@@ -122,7 +122,7 @@ class Bench:
         self.bytes = self.ws[0].nbytes + self.x.nbytes + n * self.x.element_size()
 
     def fns(self, blocks: Blocks | None) -> list[Callable[[], torch.Tensor]]:
-        from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
+        from pagedllm.layers.dense_gemv_kernel import dense_gemv
 
         x = self.x
         if blocks is None:

@@ -4,7 +4,11 @@
     row scale   [N] float32                 per-tensor scales of fused pieces are expanded to their rows
     input scale scalar float32 (static)     the largest of the fused pieces' scales, as the pieces share x
 
-    apply, CUDA with compute capability >= 8.9 and activations quantized:
+    apply, CUDA with compute capability >= 8.9, at most 4 rows (decode):
+        y = (x @ W_q^T) * row scale in one Triton GEMV that widens W_q in registers (W8A16: x stays 16-bit;
+        pagedllm.api.kernels.dense_gemv, core/layers/dense_gemv_kernel.py NOTE 7): a decode step reads the
+        1-byte weights once, without the activation-quantization launch before each product
+    apply, CUDA with compute capability >= 8.9 and activations quantized, more rows:
         x_q = fp8(x / a),  y = torch._scaled_mm(x_q, W_q^T, scale_a=a [M, 1], scale_b=row scale [1, N])
         a = per-token max|x| / 448 (dynamic) or the static input scale; x_q and a in one Triton pass
         (fp8/kernel.py), bit-identical to quantize_activations_torch
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.api.kernels import gemv_blocks
 from pagedllm.api.model import WeightLoadError, set_weight_attrs
 
 logger = logging.getLogger("pagedllm")
@@ -156,6 +161,11 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
         row_scale = cast(torch.Tensor, layer.fp8_row_scale)
+        blocks = gemv_blocks(x, weight, bias)  # None off CUDA, above 4 rows, before sm_89
+        if blocks is not None:
+            from pagedllm.api.kernels import dense_gemv
+
+            return dense_gemv(x, weight, bias, blocks, row_scale=row_scale)
         if not layer.__dict__["fp8_scaled_mm"]:
             w = weight.to(torch.float32) * row_scale.unsqueeze(1)
             return F.linear(x, w.to(x.dtype), bias)

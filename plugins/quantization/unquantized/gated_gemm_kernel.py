@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.plugins.quantization.unquantized.dense_gemv import _sm_count
+from pagedllm.api.kernels import sm_count
 from pagedllm.plugins.quantization.unquantized.gated_gemm import DEFAULT_CONFIG, GatedGemmConfig
 
 
@@ -125,7 +125,7 @@ def gated_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str = "silu",
     meta = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, GELU_TANH=_GELU[activation],
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.persistent:
-        programs = min(tiles, _sm_count(x.device.index or 0) if x.is_cuda else 3)  # 3: interpreter runs walk tiles
+        programs = min(tiles, sm_count(x.device.index or 0) if x.is_cuda else 3)  # 3: interpreter runs walk tiles
         _gated_gemm_persistent_kernel[(programs,)](a_desc, w_desc, c_desc, m, i, k, NUM_PROGRAMS=programs, **meta)
     else:
         _gated_gemm_kernel[(tiles,)](a_desc, w_desc, c_desc, m, i, k, WARP_SPECIALIZE=cfg.warp_specialize, **meta)

@@ -1,6 +1,7 @@
 """The `none` method: dense weights in the model dtype, y = x @ W^T + b, with the GPU's faster dense kernels.
 
-    dense_gemv   decode-sized products on CUDA through the Triton GEMV (dense_gemv.py says when); the engine
+    dense_gemv   decode-sized products on CUDA through the Triton GEMV (pagedllm.api.kernels.dense_linear;
+                 core/layers/dense_gemv.py says when, a kernel the FP8 method shares); the engine
                  config's `dense_gemv` (PAGEDLLM_DENSE_GEMV), on by default; off: every product is F.linear
     gated_gemm   a [gate | up] layer's prompt-sized products on CUDA through the gated GEMM with the
                  activation in its epilogue (`apply_act_and_mul`; gated_gemm.py says when); config
@@ -17,8 +18,8 @@ from typing import Any, cast
 
 import torch
 
+from pagedllm.api.kernels import dense_linear, gated_dense_gemv
 from pagedllm.api.quantization import DenseLinearMethod
-from pagedllm.plugins.quantization.unquantized.dense_gemv import dense_linear, gated_dense_gemv
 from pagedllm.plugins.quantization.unquantized.gated_gemm import maybe_gated_gemm
 
 

@@ -1,4 +1,6 @@
-"""A Triton GEMV for dense 16-bit weights at decode sizes: y[M, N] = x[M, K] @ W[N, K]^T (+ b), M <= 4.
+"""A Triton GEMV for dense weights at decode sizes: y[M, N] = x[M, K] @ W[N, K]^T (+ b), M <= 4.
+
+W is 16-bit (the activations' dtype), or e4m3 FP8 with one float32 scale per output row (NOTE 7).
 
 Decode reads each weight once and does two FLOPs with it, so the product is a stream: the kernel's one job is
 to keep enough bytes in flight to read W at the HBM's read bandwidth (cuBLAS runs these shapes at ~3.7 TB/s
@@ -40,6 +42,13 @@ GATED reads [gate | up] instead and forms silu(gate) * up per input as the fused
 act_and_mul: the activation rounded to the dtype before the multiply, the product rounded once), so the
 values that meet the weights are the ones the two-launch path would have stored. Each thread computes its
 own 8 inputs per step (warps lie along K: no input is computed twice in a program).
+NOTE 7 (FP8 weights, W8A16): the FP8 linear method's decode products. W [N, K] float8_e4m3fn is widened to
+float32 in registers as it is loaded (exact: every e4m3 value is a float32 value) and multiplies the 16-bit
+activations as 16-bit weights do; the row's scale multiplies the float32 sum once, before the bias and the one
+rounding to the output dtype: y = (sum_k W_q[n, k] x[k]) s[n] (+ b). A step reads half the bytes of bf16 and
+the activations are not quantized (the W8A8 path rounds them to e4m3 per token for torch._scaled_mm). Each
+thread's 8 adjacent inputs are then one 8-byte load, so the block rule (dense_gemv.py) sizes the tiles from
+1-byte weights.
 NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
 next kernel start, prefetches its first step's rows of W into L2, and only then waits for the kernel before
 it (whose output is x); every load of x or the bias and every store comes after the wait. Off by default
@@ -52,16 +61,10 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.api.kernels import (
-    launch,
-    launch_dependents,
-    pdl_on,
-    prefetch_l2,
-    reduce_split,
-    split_k,
-    wait_primary,
-)
-from pagedllm.plugins.quantization.unquantized.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
+from pagedllm.layers.compile_ahead import launch
+from pagedllm.layers.dense_gemv import GEMV_MAX_M, DenseGemvBlocks
+from pagedllm.layers.pdl import launch_dependents, pdl_on, prefetch_l2, wait_primary
+from pagedllm.layers.split_k import reduce_split, split_k
 
 
 @triton.jit
@@ -89,9 +92,15 @@ def _fma_row(acc, x_ptr, row: tl.constexpr, stride_xm, K, kk, k_ok, w, EVEN: tl.
 
 
 @triton.jit
-def _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """y[m, offs_n] = p_m (+ b), one rounding to y's dtype."""
+def _finish_rows(y_ptr, stride_ym, b_ptr, s_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """y[m, offs_n] = p_m (x s) (+ b), one rounding to y's dtype (ROW_SCALE: FP8 weights, NOTE 7)."""
+    if ROW_SCALE:
+        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+        p0 *= s
+        p1 *= s
+        p2 *= s
+        p3 *= s
     if HAS_BIAS:
         b = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         p0 += b
@@ -110,7 +119,7 @@ def _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS: tl
 
 @triton.jit
 def _dense_gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
     N, K, K_PER_SPLIT, SPLITS,
     stride_xm, stride_wn, stride_ym,
     ROWS: tl.constexpr,
@@ -118,6 +127,7 @@ def _dense_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     FUSED_SPLIT: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
@@ -160,12 +170,12 @@ def _dense_gemv_kernel(
     p2 = tl.sum(a2, axis=1) if ROWS > 2 else p0
     p3 = tl.sum(a3, axis=1) if ROWS > 3 else p0
     if not FUSED_SPLIT:
-        _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS, HAS_BIAS)
+        _finish_rows(y_ptr, stride_ym, b_ptr, s_ptr, offs_n, n_ok, p0, p1, p2, p3, ROWS, HAS_BIAS, ROW_SCALE)
     else:  # NOTE 2
         last, t0, t1, t2, t3 = reduce_split(part_ptr, ticket_ptr, pid_n, pid_k, offs_n, n_ok, N, SPLITS,
                                           p0, p1, p2, p3, ROWS, BLOCK_N)
         if last:
-            _finish_rows(y_ptr, stride_ym, b_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS)
+            _finish_rows(y_ptr, stride_ym, b_ptr, s_ptr, offs_n, n_ok, t0, t1, t2, t3, ROWS, HAS_BIAS, ROW_SCALE)
 
 
 def dense_gemv(
@@ -174,11 +184,13 @@ def dense_gemv(
     bias: torch.Tensor | None,
     blocks: DenseGemvBlocks | tuple[int, int, int, int],
     gated: bool = False,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight[N, K]^T (+ bias) for at most GEMV_MAX_M rows of x; y in x's dtype.
 
     gated: x is [..., 2K] = [gate | up] and the product takes silu(gate) * up, rounded as SiluAndMul rounds
-    (NOTE 5), without writing it out.
+    (NOTE 5), without writing it out. row_scale: weight is float8_e4m3fn and row_scale [N] float32 its
+    per-row scales (NOTE 7).
     """
     k = x.shape[-1] // 2 if gated else x.shape[-1]
     n = weight.shape[0]
@@ -189,12 +201,14 @@ def dense_gemv(
     assert 1 <= m <= GEMV_MAX_M and weight.shape[1] == k and weight.stride(1) == 1, (m, tuple(weight.shape))
     block_n, block_k, warps, split = blocks
     assert block_k % 8 == 0 and split >= 1, blocks  # 8 adjacent inputs are summed per thread (NOTE 1)
+    assert (row_scale is not None) == (weight.dtype == torch.float8_e4m3fn), (weight.dtype, row_scale is None)
     sk = split_k(x, m, n, k, block_k, split, block_n)
     y = sk.y
     pdl = pdl_on(flat, "dense")
     launch(
         _dense_gemv_kernel, (sk.col_blocks, sk.split),
-        flat, weight, bias if bias is not None else y, y, sk.part, sk.tickets,
+        flat, weight, bias if bias is not None else y, row_scale if row_scale is not None else y, y, sk.part,
+        sk.tickets,
         n, k, sk.per_split, sk.split,
         flat.stride(0), weight.stride(0), n,
         ROWS=m,
@@ -202,6 +216,7 @@ def dense_gemv(
         BLOCK_K=block_k,
         EVEN=n % block_n == 0 and k % block_k == 0,
         HAS_BIAS=bias is not None,
+        ROW_SCALE=row_scale is not None,
         FUSED_SPLIT=sk.split > 1,
         GATED=gated,
         PDL=pdl,

@@ -1,9 +1,12 @@
-"""When a dense 16-bit linear runs the Triton decode GEMV (dense_gemv_kernel.py) instead of cuBLAS.
+"""When a dense linear runs the Triton decode GEMV (dense_gemv_kernel.py) instead of cuBLAS.
+
+Shared by the `none` quantization method (16-bit weights) and the FP8 one (e4m3 weights with row scales, at
+decode sizes: NOTE 5); plugins reach both through pagedllm.api.kernels.
 
     the layer's switch on        `dense_gemv` on its method (method.py), from the engine config's
                                  `dense_gemv` at construction (PAGEDLLM_DENSE_GEMV=true; off: always cuBLAS)
     x on CUDA, triton present    (the CPU keeps torch's matmul: the interpreter is for tests only)
-    x and W both bf16 or fp16    W contiguous along K; the bias, if any, in the same dtype
+    x and W both bf16 or fp16    W contiguous along K; the bias, if any, in the same dtype (or W e4m3: NOTE 5)
     rows M <= GEMV_MAX_M         (prefill and batched decode are matmuls: cuBLAS)
     the shape's table entry      GEMV_TABLE[(M, N, K)]: blocks, or None where the H200 sweep found cuBLAS
                                  faster; a shape outside the table takes default_blocks up to DEFAULT_MAX_M rows
@@ -24,6 +27,11 @@ Measured on the H200 it LOST: W3 4.307 ms/token folded vs 4.236 unfolded (the ga
 activations per K step and its loads fill fewer registers' worth of weights), so it is off unless a model's
 activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch); the MLP asks the down
 projection's method through pagedllm.layers.activation.fused_act_down, which reaches `apply_act_then`.
+NOTE 5 (FP8 weights): the table was swept on 16-bit weights, so e4m3 weights take the rule's blocks at every
+M <= GEMV_MAX_M, sized for 1-byte elements (NOTE 4's bytes in flight). The FP8 method's alternative at these
+sizes is the W8A8 path (a quantization pass over x, then torch._scaled_mm), not a 16-bit cuBLAS GEMM: through
+the engine on the H200 that single stream ran 5.22 ms/token on the 8B shape, slower than bf16's ~4.2 and than
+vLLM's FP8 (3.50), although it reads half of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.api.kernels import triton_available
+from pagedllm.layers.fused_ops import triton_available
 
 GEMV_MAX_M = 4  # the kernel's accumulators are unrolled for at most this many rows
 DEFAULT_MAX_M = 2  # shapes not in GEMV_TABLE take the GEMV up to this many rows
@@ -80,7 +88,7 @@ GEMV_TABLE: dict[tuple[int, int, int], DenseGemvBlocks | None] = {
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
@@ -166,11 +174,11 @@ def single_row_blocks(n: int, k: int, sms: int, element_bytes: int = 2) -> Dense
     return DenseGemvBlocks(block_n, block_k, warps, -(-steps // -(-steps // split)))
 
 
-def default_blocks(m: int, n: int, k: int, sms: int = 132) -> DenseGemvBlocks:
+def default_blocks(m: int, n: int, k: int, sms: int = 132, element_bytes: int = 2) -> DenseGemvBlocks:
     """M = 1: single_row_blocks. More rows: 4 (M = 2) or 2 rows of W per program, BLOCK_K = 8 x 32 x warps up
     to 1024 (dense_gemv_kernel NOTE 1), K split until ~PROGRAMS_PER_SM programs per SM."""
     if m == 1:
-        return single_row_blocks(n, k, sms)
+        return single_row_blocks(n, k, sms, element_bytes)
     block_n = 4 if m == 2 else 2
     block_k = _narrowed_block_k(k)
     warps = max(1, min(4, block_k // 256))
@@ -178,8 +186,10 @@ def default_blocks(m: int, n: int, k: int, sms: int = 132) -> DenseGemvBlocks:
 
 
 def gemv_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseGemvBlocks | None:
-    """The GEMV's blocks for y = x @ weight^T (+ bias), or None when cuBLAS should take it (module rule)."""
-    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    """The GEMV's blocks for y = x @ weight^T (+ bias), or None when cuBLAS should take it (module rule); an
+    e4m3 weight (NOTE 5) needs a GPU that converts FP8 (compute capability 8.9+: fp8_capable)."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or (weight.dtype != x.dtype and not fp8):
         return None
     if weight.dim() != 2 or weight.stride(1) != 1 or (bias is not None and bias.dtype != x.dtype):
         return None
@@ -189,7 +199,16 @@ def gemv_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m = x.numel() // k
     if not 1 <= m <= GEMV_MAX_M or not triton_available():
         return None
-    return choose_blocks(m, n, k, _sm_count(x.device.index or 0))
+    index = x.device.index or 0
+    if fp8:
+        return default_blocks(m, n, k, sm_count(index), element_bytes=1) if fp8_capable(index) else None
+    return choose_blocks(m, n, k, sm_count(index))
+
+
+@functools.cache
+def fp8_capable(index: int) -> bool:
+    """Whether device `index` converts e4m3 in hardware (sm_89+), which Triton's FP8 loads need."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def choose_blocks(m: int, n: int, k: int, sms: int) -> DenseGemvBlocks | None:
@@ -205,7 +224,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     blocks = gemv_blocks(x, weight, bias) if gemv else None
     if blocks is None:
         return F.linear(x, weight, bias)
-    from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
+    from pagedllm.layers.dense_gemv_kernel import dense_gemv
 
     return dense_gemv(x, weight, bias, blocks)
 
@@ -221,6 +240,6 @@ def gated_dense_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     blocks = gemv_blocks(gate_up[..., :half], weight, None)
     if blocks is None:
         return None
-    from pagedllm.plugins.quantization.unquantized.dense_gemv_kernel import dense_gemv
+    from pagedllm.layers.dense_gemv_kernel import dense_gemv
 
     return dense_gemv(gate_up, weight, None, blocks, gated=True)
