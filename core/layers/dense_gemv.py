@@ -27,11 +27,12 @@ Measured on the H200 it LOST: W3 4.307 ms/token folded vs 4.236 unfolded (the ga
 activations per K step and its loads fill fewer registers' worth of weights), so it is off unless a model's
 activation module sets `fold_into_gemv = True` (gemv_sweep.py's A/B switch); the MLP asks the down
 projection's method through pagedllm.layers.activation.fused_act_down, which reaches `apply_act_then`.
-NOTE 5 (FP8 weights): the table was swept on 16-bit weights, so e4m3 weights take the rule's blocks at every
-M <= GEMV_MAX_M, sized for 1-byte elements (NOTE 4's bytes in flight). The FP8 method's alternative at these
-sizes is the W8A8 path (a quantization pass over x, then torch._scaled_mm), not a 16-bit cuBLAS GEMM: through
-the engine on the H200 that single stream ran 5.22 ms/token on the 8B shape, slower than bf16's ~4.2 and than
-vLLM's FP8 (3.50), although it reads half of bf16's bytes.
+NOTE 5 (FP8 weights): the table was swept on 16-bit weights, so e4m3 weights take the rule's blocks, sized for
+1-byte elements (NOTE 4's bytes in flight), up to DEFAULT_MAX_M rows. The FP8 method's alternative is the W8A8
+path (a quantization pass over x, then torch._scaled_mm), not a 16-bit cuBLAS GEMM. On the H200
+(examples/gpu/fp8_gemm_check.py, 8B linears) the GEMV took 0.36-0.71x the W8A8 path's time at 1 and 2 rows,
+but at 4 rows 0.97-1.97x (gate_up 94 against 48 us: the 2-row tiles of default_blocks): so 2 rows at most.
+Through the engine the 8B single stream went 5.22 -> 2.98 ms/token (vLLM's FP8: 3.49).
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def gemv_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     index = x.device.index or 0
     if fp8:
-        return default_blocks(m, n, k, sm_count(index), element_bytes=1) if fp8_capable(index) else None
+        return default_blocks(m, n, k, sm_count(index), element_bytes=1) if m <= DEFAULT_MAX_M and fp8_capable(index) else None
     return choose_blocks(m, n, k, sm_count(index))
 
 

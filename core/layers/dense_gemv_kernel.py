@@ -46,9 +46,10 @@ NOTE 7 (FP8 weights, W8A16): the FP8 linear method's decode products. W [N, K] f
 float32 in registers as it is loaded (exact: every e4m3 value is a float32 value) and multiplies the 16-bit
 activations as 16-bit weights do; the row's scale multiplies the float32 sum once, before the bias and the one
 rounding to the output dtype: y = (sum_k W_q[n, k] x[k]) s[n] (+ b). A step reads half the bytes of bf16 and
-the activations are not quantized (the W8A8 path rounds them to e4m3 per token for torch._scaled_mm). Each
-thread's 8 adjacent inputs are then one 8-byte load, so the block rule (dense_gemv.py) sizes the tiles from
-1-byte weights.
+the activations are not quantized (the W8A8 path rounds them to e4m3 per token for torch._scaled_mm). Triton
+keeps the weight loads 16 bytes wide (16 e4m3 values per thread where the tile has them: the sm_90 PTX of
+BLOCK_K 2048 at 8 warps holds two ld.global.v4.b32 per thread and row pair), and the block rule (dense_gemv.py)
+sizes the tiles from 1-byte weights.
 NOTE 6 (PDL, layers/pdl.py): launched with programmatic dependent launch on sm_90+, each program lets the
 next kernel start, prefetches its first step's rows of W into L2, and only then waits for the kernel before
 it (whose output is x); every load of x or the bias and every store comes after the wait. Off by default

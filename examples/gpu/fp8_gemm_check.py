@@ -14,6 +14,8 @@ Per (linear, M), mean us of one call (w4_gemv_sweep's Timer: a CUDA graph of ~10
     gemv        M <= 4: the dense decode GEMV on e4m3 weights with row scales (core/layers/dense_gemv_kernel.py
                 NOTE 7; W8A16, x not quantized): what the FP8 method runs at decode sizes
 The verdict per M: which variant is fastest, and the GEMV's time against rowwise's (the route it replaced).
+--explore: per linear at M = 1, the GEMV over a grid of (BLOCK_N, BLOCK_K, warps, split), the rule's blocks
+first; the fastest point per linear is printed beside the rule's.
 """
 
 from __future__ import annotations
@@ -82,10 +84,42 @@ def variants(ws: list[dict[str, torch.Tensor]], x: torch.Tensor, m: int, dry: bo
     return out
 
 
+EXPLORE_TILES = [(bn, bk, w) for bn in (4, 8, 16) for bk, w in ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))]
+
+
+def explore(timer: Timer, linears: dict[str, tuple[int, int]], device: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The one-row FP8 GEMV over EXPLORE_TILES x splits 1, 2 per linear (the rule's blocks first)."""
+    from pagedllm.api.kernels import dense_gemv
+    from pagedllm.layers.dense_gemv import DenseGemvBlocks, default_blocks
+
+    rows = []
+    for name, (n, k) in linears.items():
+        ws = quantized(n, k, device, max(1, min(8, ROTATE_BYTES // (n * k))))
+        x = (torch.randn(1, k, device=device) * 0.5).to(dtype)
+        rule = default_blocks(1, n, k, 132 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count,
+                              element_bytes=1)
+        grid = [rule] + [DenseGemvBlocks(bn, bk, w, sp) for bn, bk, w in EXPLORE_TILES for sp in (1, 2)
+                         if bk <= k and DenseGemvBlocks(bn, bk, w, sp) != rule]
+        times = {}
+        for b in grid[: 2 if device == "cpu" else None]:
+            times[tuple(b)] = round(timer.us_per_call([lambda w=w, b=b: dense_gemv(x, w["q_row"], None, b, row_scale=w["s_row"])
+                                                       for w in ws]), 2)
+        best = min(times, key=times.__getitem__)
+        row = {"linear": name, "n": n, "k": k, "rule": list(rule), "rule_us": times[tuple(rule)],
+               "best": list(best), "best_us": times[best], "tb_per_s_best": round(n * k / times[best] / 1e6, 2),
+               "grid_us": {str(list(b)): t for b, t in times.items()}}
+        print(json.dumps({key: v for key, v in row.items() if key != "grid_us"}), flush=True)
+        rows.append(row)
+        del ws
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes: the paths run")
+    ap.add_argument("--explore", action="store_true", help="also a grid of one-row GEMV blocks per linear")
+    ap.add_argument("--only-explore", action="store_true", help="the grid alone (no variant table)")
     args = ap.parse_args()
     dry = args.dry_run
     device = "cpu" if dry else "cuda"
@@ -96,7 +130,9 @@ def main() -> int:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if not dry else "cpu (interpreter)",
                               "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "points": []}
-    for name, (n, k) in linears.items():
+    if args.explore or args.only_explore:
+        report["explore"] = explore(timer, {"tiny": (64, 4096)} if dry else LINEARS, device, dtype)
+    for name, (n, k) in ({} if args.only_explore else linears).items():
         copies = max(1, min(8, ROTATE_BYTES // (n * k)))
         ws = quantized(n, k, device, copies)
         if dry:

@@ -4,7 +4,7 @@
     row scale   [N] float32                 per-tensor scales of fused pieces are expanded to their rows
     input scale scalar float32 (static)     the largest of the fused pieces' scales, as the pieces share x
 
-    apply, CUDA with compute capability >= 8.9, at most 4 rows (decode):
+    apply, CUDA with compute capability >= 8.9, at most 2 rows (decode):
         y = (x @ W_q^T) * row scale in one Triton GEMV that widens W_q in registers (W8A16: x stays 16-bit;
         pagedllm.api.kernels.dense_gemv, core/layers/dense_gemv_kernel.py NOTE 7): a decode step reads the
         1-byte weights once, without the activation-quantization launch before each product
@@ -161,7 +161,7 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = cast(torch.Tensor, layer.weight)
         row_scale = cast(torch.Tensor, layer.fp8_row_scale)
-        blocks = gemv_blocks(x, weight, bias)  # None off CUDA, above 4 rows, before sm_89
+        blocks = gemv_blocks(x, weight, bias)  # None off CUDA, above 2 rows, before sm_89
         if blocks is not None:
             from pagedllm.api.kernels import dense_gemv
 
