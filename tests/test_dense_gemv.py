@@ -194,6 +194,11 @@ def test_fp8_weights_take_the_rule_on_gpus_that_convert_fp8() -> None:
     bytes_in_flight = [dense_gemv.in_flight_bytes(-(-4096 // b.block_n) * b.split_k, 132, b.num_warps,
                                                   b.block_n * b.block_k * e) for b, e in ((one, 1), (two, 2))]
     assert min(bytes_in_flight) >= dense_gemv.IN_FLIGHT_BYTES and one != two, (one, two)
+    # The H200 grid's fastest one-row FP8 blocks, or within 1 % of them (examples/gpu/fp8_gemm_check.py --explore,
+    # 2026-12-02 17:12 UTC): each thread's row slice is 16 e4m3 values
+    swept = {(6144, 4096): (4, 1024, 2, 1), (4096, 4096): (4, 2048, 4, 1), (28672, 4096): (8, 1024, 2, 1),
+             (4096, 14336): (4, 2048, 4, 1)}
+    assert {nk: tuple(dense_gemv.default_blocks(1, *nk, 132, element_bytes=1)) for nk in swept} == swept
 
 
 @needs_triton
