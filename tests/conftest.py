@@ -86,26 +86,3 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
     for mod_name, module in list(sys.modules.items()):
         if any(str(getattr(module, "__file__", None) or "").startswith(str(s)) for s in sites):
             del sys.modules[mod_name]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the children the collected kernel test files declared (tests/early_children.py): they run on the
-    second core while the tests before theirs run."""
-    import early_children
-
-    if not session.config.option.collectonly:
-        early_children.start_background({Path(item.path).resolve() for item in session.items})
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    import early_children
-
-    early_children.stop_background()
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Say when a declared child could not be used (its environment changed), so its early start was waste."""
-    import early_children
-
-    if early_children.stats["rerun"]:
-        terminalreporter.write_line(f"early children: {early_children.stats}")

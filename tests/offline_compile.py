@@ -3,12 +3,11 @@ offline compile checks do: in a child process without TRITON_INTERPRET (the inte
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
-from early_children import run_child, start_early
 
 # Source for a child's snippet (prepend it): ptxas for sm_90a on a kernel triton.compile returned.
 PTXAS_SM90A = """
@@ -29,17 +28,6 @@ def ptxas_sm90a(kernel):
 """
 
 
-def _child(code: str) -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, "-c", code], {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-
-
-def start_compile_early(owner: str, code: str) -> None:
-    """Declare (at the test file's import) the compile_offline(code) a test of `owner` will make: it starts in
-    the background once collection ends (tests/early_children.py), where triton is installed."""
-    if importlib.util.find_spec("triton") is not None:
-        start_early(owner, *_child(code))
-
-
 def compile_offline(code: str) -> str:
     """Run `code` (which prints 'ok' when every kernel compiled) in a child; skip where triton cannot. Returns
     the child's stdout (register counts and the like, for the test to show)."""
@@ -48,6 +36,8 @@ def compile_offline(code: str) -> str:
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton has no offline compile API ({exc})")
-    proc = run_child(*_child(code), timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
     return proc.stdout

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.worker.input_prep import prepare_inputs
@@ -113,10 +113,6 @@ def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     return dict(run_interpreted(__file__, timeout=400))
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

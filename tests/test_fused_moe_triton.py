@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 from offline_compile import compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -75,10 +75,6 @@ ALIGN_CASES = {
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
     return run_interpreted(__file__, timeout=400)  # ~25 s of CPU; the 2 cores are shared
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("case", list(KERNEL_CASES))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
-from early_children import run_child, start_early
 
 from pagedllm.config import EngineConfig
 from pagedllm.layers.fused_ops import set_fused_ops, use_fused
@@ -56,21 +56,16 @@ ACT_CASES = {  # name -> (rows, d, activation); d 1500 spans two 1024-column til
 ENGINE_MODELS = ("llama", "qwen3")  # qwen3: per-head q/k norm on strided [T, heads, head] views
 
 
-def _interp_child() -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, __file__], {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-
-
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    proc = run_child(*_interp_child(), timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_early(__file__, *_interp_child())
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

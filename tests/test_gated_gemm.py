@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interpreter_child import run_interpreted, start_interpreted_early  # noqa: E402
+from interpreter_child import run_interpreted  # noqa: E402
 from offline_compile import PTXAS_SM90A, compile_offline  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -49,10 +49,6 @@ def _reference(x: torch.Tensor, w: torch.Tensor, activation: str) -> torch.Tenso
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
     return dict(run_interpreted(__file__, timeout=400))
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

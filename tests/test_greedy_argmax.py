@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -69,10 +69,6 @@ def _run() -> dict[str, Any]:
 @functools.cache
 def _results() -> dict[str, Any]:
     return dict(run_interpreted(__file__))
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @needs_triton

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from early_children import run_child, start_early
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -34,19 +33,14 @@ CASES: dict[str, dict[str, Any]] = {
 TOL = {"float32": 1e-5, "float16": 2e-3}
 
 
-def _interp_child() -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, __file__], {**os.environ, "TRITON_INTERPRET": "1"}
-
-
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
-    proc = run_child(*_interp_child(), timeout=300)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_early(__file__, *_interp_child())
 
 
 @pytest.fixture(scope="module")

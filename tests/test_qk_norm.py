@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_child import run_interpreted, start_interpreted_early
 
 from pagedllm.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.qk_norm import qk_norm_rope
@@ -111,11 +110,9 @@ def test_cpu_path_is_transformers_bit_for_bit(case: str, dtype: str, gemma: bool
 def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
+    from interpreter_child import run_interpreted
+
     return run_interpreted(__file__)
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])

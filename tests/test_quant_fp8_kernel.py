@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 import pytest
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -70,10 +70,6 @@ def _run() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def kernel_results() -> dict[str, Any]:
     return dict(run_interpreted(__file__))
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -22,8 +22,8 @@ import sys
 from typing import Any
 
 import pytest
-from interpreter_child import run_interpreted, start_interpreted_early
-from offline_compile import PTXAS_SM90A, compile_offline, start_compile_early
+from interpreter_child import run_interpreted
+from offline_compile import PTXAS_SM90A, compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -157,11 +157,6 @@ def _chunk_results(chunk: int) -> dict[str, Any]:
     return dict(run_interpreted(__file__, str(chunk)))
 
 
-if importlib.util.find_spec("triton") is not None:  # the children _chunk_results will ask for
-    for _chunk in range(CHUNKS):
-        start_interpreted_early(__file__, str(_chunk))
-
-
 def _result(name: str) -> dict[str, Any]:
     chunk = CHUNKS - 1 if name not in TYPES else TYPES.index(name) % CHUNKS
     return dict(_chunk_results(chunk)[name])
@@ -235,63 +230,57 @@ def test_selection_reasons() -> None:
     assert triton_reason(Q.Q4_0, torch.device("cpu")) is not None
 
 
-_SM90_CODE = (
-    "import triton\n"
-    "from triton.backends.compiler import GPUTarget\n"
-    "from triton.compiler import ASTSource\n"
-    "from pagedllm.plugins.quantization.gguf import triton_gemm as g\n"
-    "def comp(fn, cons, ptrs, fusion=True):\n"
-    "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
-    "           for a in fn.arg_names}\n"
-    "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
-    "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
-    "                   options={'num_warps': 4, 'enable_fp_fusion': fusion})\n"
-    "for t, (qk, ts) in g.TRITON_TYPES.items():\n"
-    "    for dt in ('*bf16', '*fp16', '*fp32'):\n"
-    "        comp(g._gguf_dequant_kernel, dict(TYPE=t, QK=qk, TS=ts, BLOCK_N=16, BLOCK_K=256), {'out_ptr': dt},\n"
-    "             fusion=False)\n"
-    "    for rows in (1, 3, 8) if t in (2, 14) else (1, 3):\n"
-    "        bn, bk, _ = g.gemv_blocks(4096, rows)\n"
-    "        comp(g._gguf_gemv_kernel, dict(TYPE=t, QK=qk, TS=ts, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk),\n"
-    "             {'x_ptr': '*bf16', 'y_ptr': '*bf16'})\n"
-    "print('ok')\n"
-)
-start_compile_early(__file__, _SM90_CODE)  # the child its test below will ask for
-
-
 def test_compiles_for_sm90() -> None:
     """Every kernel variant through Triton's compiler for sm_90 (offline: no GPU): the dequantize kernel per type
     (bf16, fp16 and fp32 out), the GEMV per type at M = 1 and 3, and at M = 8 for a 32-block and a K-quant type."""
-    compile_offline(_SM90_CODE)
-
-
-_BLOCK_GEMV_SM90_CODE = PTXAS_SM90A + (
-    "import triton\n"
-    "from triton.backends.compiler import GPUTarget\n"
-    "from triton.compiler import ASTSource\n"
-    "from pagedllm.plugins.quantization.gguf import block_gemv as g\n"
-    "fn = g._gguf_block_gemv_kernel\n"
-    "for t, rows in [(t, 1) for t in g.BLOCK_TYPES] + [(2, 4), (7, 4)]:\n"
-    "    bn, bb, warps, _ = g.block_tiles(4096, 4096, rows)\n"
-    "    cons = dict(TYPE=t, TS=g.BLOCK_TYPES[t], ROWS=rows, BLOCK_N=bn, BLOCK_B=bb, FUSED_SPLIT=True)\n"
-    "    ptrs = {'x_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32', 'ticket_ptr': '*i32'}\n"
-    "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
-    "           for a in fn.arg_names}\n"
-    "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
-    "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
-    "             if a.endswith('_ptr') or a.startswith('stride')}\n"
-    "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys, attrs=attrs),\n"
-    "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': warps})\n"
-    "    print(t, rows, ptxas_sm90a(k))\n"
-    "print('ok')\n"
-)
-start_compile_early(__file__, _BLOCK_GEMV_SM90_CODE)  # the child its test below will ask for
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.quantization.gguf import triton_gemm as g\n"
+        "def comp(fn, cons, ptrs, fusion=True):\n"
+        "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
+        "           for a in fn.arg_names}\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys), target=GPUTarget('cuda', 90, 32),\n"
+        "                   options={'num_warps': 4, 'enable_fp_fusion': fusion})\n"
+        "for t, (qk, ts) in g.TRITON_TYPES.items():\n"
+        "    for dt in ('*bf16', '*fp16', '*fp32'):\n"
+        "        comp(g._gguf_dequant_kernel, dict(TYPE=t, QK=qk, TS=ts, BLOCK_N=16, BLOCK_K=256), {'out_ptr': dt},\n"
+        "             fusion=False)\n"
+        "    for rows in (1, 3, 8) if t in (2, 14) else (1, 3):\n"
+        "        bn, bk, _ = g.gemv_blocks(4096, rows)\n"
+        "        comp(g._gguf_gemv_kernel, dict(TYPE=t, QK=qk, TS=ts, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk),\n"
+        "             {'x_ptr': '*bf16', 'y_ptr': '*bf16'})\n"
+        "print('ok')\n"
+    )
+    compile_offline(code)
 
 
 def test_block_gemv_compiles_for_sm90() -> None:
     """The block-wise GEMV through Triton and ptxas for sm_90a (offline), bf16 activations, split-K on: every type
     at M = 1, the two most register-hungry at M = 4; no spills (registers per variant printed by the child)."""
-    print(compile_offline(_BLOCK_GEMV_SM90_CODE))
+    code = PTXAS_SM90A + (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.quantization.gguf import block_gemv as g\n"
+        "fn = g._gguf_block_gemv_kernel\n"
+        "for t, rows in [(t, 1) for t in g.BLOCK_TYPES] + [(2, 4), (7, 4)]:\n"
+        "    bn, bb, warps, _ = g.block_tiles(4096, 4096, rows)\n"
+        "    cons = dict(TYPE=t, TS=g.BLOCK_TYPES[t], ROWS=rows, BLOCK_N=bn, BLOCK_B=bb, FUSED_SPLIT=True)\n"
+        "    ptrs = {'x_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32', 'ticket_ptr': '*i32'}\n"
+        "    sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*u8') if a.endswith('_ptr') else 'i32'\n"
+        "           for a in fn.arg_names}\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
+        "             if a.endswith('_ptr') or a.startswith('stride')}\n"
+        "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys, attrs=attrs),\n"
+        "                       target=GPUTarget('cuda', 90, 32), options={'num_warps': warps})\n"
+        "    print(t, rows, ptxas_sm90a(k))\n"
+        "print('ok')\n"
+    )
+    print(compile_offline(code))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 import pytest
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -92,11 +92,6 @@ def _run(chunk: int) -> dict[str, Any]:
 @functools.cache
 def _chunk_results(chunk: int) -> dict[str, Any]:
     return dict(run_interpreted(__file__, str(chunk)))
-
-
-if importlib.util.find_spec("triton") is not None:  # the children _chunk_results will ask for
-    for _chunk in range(CHUNKS):
-        start_interpreted_early(__file__, str(_chunk))
 
 
 def _result(name: str) -> dict[str, Any]:

@@ -20,8 +20,8 @@ import sys
 from typing import Any
 
 import pytest
-from interpreter_child import run_interpreted, start_interpreted_early
-from offline_compile import compile_offline, start_compile_early
+from interpreter_child import run_interpreted
+from offline_compile import compile_offline
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -100,11 +100,6 @@ def _chunk_results(chunk: int) -> dict[str, Any]:
     return dict(run_interpreted(__file__, str(chunk)))
 
 
-if importlib.util.find_spec("triton") is not None:  # the children _chunk_results will ask for
-    for _chunk in range(CHUNKS):
-        start_interpreted_early(__file__, str(_chunk))
-
-
 def _result(name: str) -> dict[str, Any]:
     index = [c[0] for c in CASES].index(name)
     return dict(_chunk_results(index % CHUNKS)[name])
@@ -120,34 +115,31 @@ def test_tiled_equals_dequantize_then_matmul(case: tuple[Any, ...]) -> None:
     assert got["tiled"] == ("falls_back" not in name), got
 
 
-_SM90_CODE = (
-    "import triton\n"
-    "from triton.backends.compiler import GPUTarget\n"
-    "from triton.compiler import ASTSource\n"
-    "from pagedllm.plugins.quantization.w4a16 import gemv_tiled as t\n"
-    "fn = t._w4a16_gemv_tiled_kernel\n"
-    "ptrs = {'x_ptr': '*bf16', 's_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32'}\n"
-    "for v, (pf, mant) in t.TILED_VARIANTS.items():\n"
-    "    for rows, bk in ((1, 64 if pf else 128), (4, 32)):\n"
-    "        cons = dict(GROUP_SIZE=128, BITS=4, ZERO_OFFSET=1, ROWS=rows, BLOCK_N=128, BLOCK_K=bk,\n"
-    "                    FUSED_SPLIT=True, PREFETCH=pf, MANT=mant, X_BF16=True, PDL=rows == 1)\n"
-    "        sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*i32') if a.endswith('_ptr') else 'i32'\n"
-    "               for a in fn.arg_names}\n"
-    "        keys = {(fn.arg_names.index(k),): val for k, val in cons.items()}\n"
-    "        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
-    "                           target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"
-    "        ptx = k.asm['ptx']  # PDL (NOTE 6): prefetches, then the wait, before any load\n"
-    "        assert ('griddepcontrol.wait' in ptx) == (rows == 1), (v, rows)\n"
-    "        if rows == 1:\n"
-    "            assert ptx.index('prefetch.global.L2') < ptx.index('griddepcontrol.wait') < ptx.index('ld.global')\n"
-    "print('ok')\n"
-)
-start_compile_early(__file__, _SM90_CODE)  # the child its test below will ask for
-
-
 def test_compiles_for_sm90() -> None:
     """Every variant through Triton's compiler for sm_90 (offline: no GPU), at M = 1 (with PDL) and M = 4."""
-    compile_offline(_SM90_CODE)
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.quantization.w4a16 import gemv_tiled as t\n"
+        "fn = t._w4a16_gemv_tiled_kernel\n"
+        "ptrs = {'x_ptr': '*bf16', 's_ptr': '*bf16', 'y_ptr': '*bf16', 'part_ptr': '*fp32'}\n"
+        "for v, (pf, mant) in t.TILED_VARIANTS.items():\n"
+        "    for rows, bk in ((1, 64 if pf else 128), (4, 32)):\n"
+        "        cons = dict(GROUP_SIZE=128, BITS=4, ZERO_OFFSET=1, ROWS=rows, BLOCK_N=128, BLOCK_K=bk,\n"
+        "                    FUSED_SPLIT=True, PREFETCH=pf, MANT=mant, X_BF16=True, PDL=rows == 1)\n"
+        "        sig = {a: 'constexpr' if a in cons else ptrs.get(a, '*i32') if a.endswith('_ptr') else 'i32'\n"
+        "               for a in fn.arg_names}\n"
+        "        keys = {(fn.arg_names.index(k),): val for k, val in cons.items()}\n"
+        "        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=keys),\n"
+        "                           target=GPUTarget('cuda', 90, 32), options={'num_warps': 1})\n"
+        "        ptx = k.asm['ptx']  # PDL (NOTE 6): prefetches, then the wait, before any load\n"
+        "        assert ('griddepcontrol.wait' in ptx) == (rows == 1), (v, rows)\n"
+        "        if rows == 1:\n"
+        "            assert ptx.index('prefetch.global.L2') < ptx.index('griddepcontrol.wait') < ptx.index('ld.global')\n"
+        "print('ok')\n"
+    )
+    compile_offline(code)
 
 
 if __name__ == "__main__":

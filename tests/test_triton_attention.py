@@ -15,14 +15,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-from early_children import run_child, start_early
-from offline_compile import compile_offline, start_compile_early
+from offline_compile import compile_offline
 
 from pagedllm.protocols.attention import AttentionLayerConfig
 from pagedllm.selection_context import AttentionSelectionContext
@@ -66,19 +66,14 @@ CASES: dict[str, tuple[list[int], list[int], dict[str, Any], float]] = {
 }
 
 
-def _interp_child() -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, __file__], {**os.environ, "TRITON_INTERPRET": "1"}
-
-
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
-    proc = run_child(*_interp_child(), timeout=300)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_early(__file__, *_interp_child())
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -505,56 +500,53 @@ def _main() -> None:
 
 
 
-_CASCADE_SM90_CODE = (
-    "import triton\n"
-    "from triton.backends.compiler import GPUTarget\n"
-    "from triton.compiler import ASTSource\n"
-    "from pagedllm.plugins.attention.triton import kernels as t\n"
-    "floats = {'scale', 'soft_cap', 'v_scale'}\n"
-    "def sig_of(fn, cons, bf16):\n"
-    "    def one(a):\n"
-    "        if a in cons: return 'constexpr'\n"
-    "        if a in bf16: return '*bf16'\n"
-    "        if a.startswith('seg_') and a.endswith('_ptr'): return '*fp32'\n"
-    "        if a.endswith('_ptr'): return '*i32'\n"
-    "        return 'fp32' if a in floats else 'i32'\n"
-    "    return {a: one(a) for a in fn.arg_names}\n"
-    "def build(fn, cons, bf16, warps=4, stages=3):\n"
-    "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
-    "    # pointers and strides 16-divisible, as the launcher specialises them (vectorised copies)\n"
-    "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
-    "             if a.endswith('_ptr') or a.startswith('stride')}\n"
-    "    return triton.compile(ASTSource(fn=fn, signature=sig_of(fn, cons, bf16), constexprs=keys, attrs=attrs),\n"
-    "                          target=GPUTarget('cuda', 90, 32), options={'num_warps': warps, 'num_stages': stages})\n"
-    "base = dict(NUM_HEADS=32, G=4, HEAD=128, HEAD_PAD=128, BLOCK_SIZE=16, USE_SOFTCAP=False, KV_FP8=False)\n"
-    "plain = dict(REVERSE=False, PACK_GQA=True, K_ROWS=False)\n"
-    "for split, casc in ((False, False), (False, True), (True, True)):\n"
-    "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
-    "          SPLIT=split, CASCADE=casc, DECODE_ONLY=True, HEADS_FIRST=split, **plain),\n"
-    "          {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
-    "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=32,\n"
-    "                                          HEADS=8 if casc else 1),\n"
-    "          {'out_ptr'})\n"
-    "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
-    "from pagedllm.plugins.attention.triton.tuning import PREFILL as P\n"
-    "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=P.rows // 4, BLOCK_M=P.rows, TILE_N=P.tile_n,\n"
-    "          USE_WINDOW=False, SPLIT=False, CASCADE=False, REVERSE=P.reverse, PACK_GQA=P.pack_gqa,\n"
-    "          K_ROWS=P.k_rows), {'q_ptr', 'cache_ptr', 'out_ptr'}, P.num_warps, P.num_stages)\n"
-    "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
-    "from pagedllm.plugins.attention.triton.tuning import DECODE_BIG as B\n"
-    "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=B.rows // 4, BLOCK_M=B.rows, TILE_N=B.tile_n,\n"
-    "          USE_WINDOW=False, SPLIT=False, CASCADE=True, REVERSE=False, PACK_GQA=True, K_ROWS=False, ALIGN=128),\n"
-    "          {'q_ptr', 'cache_ptr', 'out_ptr'}, B.num_warps, B.num_stages)\n"
-    "assert k.metadata.shared <= 100 * 1024, k.metadata.shared  # 74 KB: three programs per H200 SM\n"
-    "print('ok')\n"
-)
-start_compile_early(__file__, _CASCADE_SM90_CODE)  # the child its test below will ask for
-
-
 def test_cascade_kernels_compile_for_sm90() -> None:
     """The attention kernels with and without the cascade, and the PREFILL configuration (8 warps, a deep
     pipeline: its buffers must fit one SM's 227 KB of shared memory), through Triton's sm_90 compiler offline."""
-    compile_offline(_CASCADE_SM90_CODE)
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from pagedllm.plugins.attention.triton import kernels as t\n"
+        "floats = {'scale', 'soft_cap', 'v_scale'}\n"
+        "def sig_of(fn, cons, bf16):\n"
+        "    def one(a):\n"
+        "        if a in cons: return 'constexpr'\n"
+        "        if a in bf16: return '*bf16'\n"
+        "        if a.startswith('seg_') and a.endswith('_ptr'): return '*fp32'\n"
+        "        if a.endswith('_ptr'): return '*i32'\n"
+        "        return 'fp32' if a in floats else 'i32'\n"
+        "    return {a: one(a) for a in fn.arg_names}\n"
+        "def build(fn, cons, bf16, warps=4, stages=3):\n"
+        "    keys = {(fn.arg_names.index(k),): v for k, v in cons.items()}\n"
+        "    # pointers and strides 16-divisible, as the launcher specialises them (vectorised copies)\n"
+        "    attrs = {(i,): [['tt.divisibility', 16]] for i, a in enumerate(fn.arg_names)\n"
+        "             if a.endswith('_ptr') or a.startswith('stride')}\n"
+        "    return triton.compile(ASTSource(fn=fn, signature=sig_of(fn, cons, bf16), constexprs=keys, attrs=attrs),\n"
+        "                          target=GPUTarget('cuda', 90, 32), options={'num_warps': warps, 'num_stages': stages})\n"
+        "base = dict(NUM_HEADS=32, G=4, HEAD=128, HEAD_PAD=128, BLOCK_SIZE=16, USE_SOFTCAP=False, KV_FP8=False)\n"
+        "plain = dict(REVERSE=False, PACK_GQA=True, K_ROWS=False)\n"
+        "for split, casc in ((False, False), (False, True), (True, True)):\n"
+        "    build(t._unified_attention_kernel, dict(base, BLOCK_Q=4, BLOCK_M=16, TILE_N=32, USE_WINDOW=False,\n"
+        "          SPLIT=split, CASCADE=casc, DECODE_ONLY=True, HEADS_FIRST=split, **plain),\n"
+        "          {'q_ptr', 'cache_ptr', 'out_ptr'})\n"
+        "    build(t._reduce_segments_kernel, dict(NUM_HEADS=32, HEAD=128, HEAD_PAD=128, CASCADE=casc, CHUNK=32,\n"
+        "                                          HEADS=8 if casc else 1),\n"
+        "          {'out_ptr'})\n"
+        "build(t._prefix_attention_kernel, dict(base, BLOCK_M=64, TILE_N=64), {'q_ptr', 'cache_ptr'})\n"
+        "from pagedllm.plugins.attention.triton.tuning import PREFILL as P\n"
+        "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=P.rows // 4, BLOCK_M=P.rows, TILE_N=P.tile_n,\n"
+        "          USE_WINDOW=False, SPLIT=False, CASCADE=False, REVERSE=P.reverse, PACK_GQA=P.pack_gqa,\n"
+        "          K_ROWS=P.k_rows), {'q_ptr', 'cache_ptr', 'out_ptr'}, P.num_warps, P.num_stages)\n"
+        "assert k.metadata.shared <= 227 * 1024, k.metadata.shared\n"
+        "from pagedllm.plugins.attention.triton.tuning import DECODE_BIG as B\n"
+        "k = build(t._unified_attention_kernel, dict(base, BLOCK_Q=B.rows // 4, BLOCK_M=B.rows, TILE_N=B.tile_n,\n"
+        "          USE_WINDOW=False, SPLIT=False, CASCADE=True, REVERSE=False, PACK_GQA=True, K_ROWS=False, ALIGN=128),\n"
+        "          {'q_ptr', 'cache_ptr', 'out_ptr'}, B.num_warps, B.num_stages)\n"
+        "assert k.metadata.shared <= 100 * 1024, k.metadata.shared  # 74 KB: three programs per H200 SM\n"
+        "print('ok')\n"
+    )
+    compile_offline(code)
 
 
 if __name__ == "__main__":

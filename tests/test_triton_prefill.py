@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter_child import run_interpreted, start_interpreted_early
+from interpreter_child import run_interpreted
 from offline_compile import PTXAS_SM90A, compile_offline
 
 from pagedllm.protocols.attention import AttentionLayerConfig
@@ -45,10 +45,6 @@ KERNEL_CASES: dict[str, tuple[list[int], dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def interp() -> dict[str, Any]:
     return run_interpreted(__file__)
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 @pytest.mark.parametrize("case", list(KERNEL_CASES))

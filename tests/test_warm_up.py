@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from interpreter_child import run_interpreted, start_interpreted_early  # noqa: E402
+from interpreter_child import run_interpreted  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 11)]
@@ -111,10 +111,6 @@ def interp() -> dict[str, Any]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     return dict(run_interpreted(__file__, timeout=600))
-
-
-if importlib.util.find_spec("triton") is not None:  # the child the fixture above will ask for
-    start_interpreted_early(__file__)
 
 
 def test_warm_up_reaches_every_triton_launch_configuration(interp: dict[str, Any]) -> None:
