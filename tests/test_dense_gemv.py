@@ -51,6 +51,13 @@ FP8_CASES = [
 ]
 
 
+def _output_ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | float:
+    """One float16 ulp of each reference value (the kernel's one rounding of y), 0 for float32 outputs."""
+    if dtype != torch.float16:
+        return 0.0
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+
+
 def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random rows in e4m3 with a per-row scale (the FP8 method's quantize_rows: max|row| / 448 per row)."""
     w = torch.randn(n, k) * 0.05 * torch.linspace(0.5, 4.0, n)[:, None]  # rows of different ranges
@@ -71,9 +78,7 @@ def _run_fp8(results: dict[str, Any]) -> None:
         w = w_q.double() * scale.double()[:, None]
         ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
         size = x.double().abs() @ w.abs().T
-        ulp: torch.Tensor | float = 0.0
-        if dtype == torch.float16:
-            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+        ulp = _output_ulp(ref, dtype)
         results[name] = {"dtype": str(y.dtype), "shape": list(y.shape),
                          "worst_over_bound": float(((y.double() - ref).abs() / (2e-7 * size + ulp)).max()),
                          "same_bits_twice": bool(torch.equal(y, kernel.dense_gemv(x, w_q, b, blocks, row_scale=scale)))}
@@ -122,9 +127,7 @@ def _run() -> dict[str, Any]:
         ref = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
         size = x.double().abs() @ w.double().abs().T
         err = (y.double() - ref).abs()
-        ulp: torch.Tensor | float = 0.0
-        if dtype == torch.float16:
-            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=2.0**-14))) - 10)
+        ulp = _output_ulp(ref, dtype)
         # gated float16: silu's exp may round an input differently from torch's (an ulp of x, not of y)
         bound = (2e-4 if gated and dtype == torch.float16 else 2e-7) * size + ulp
         torch_y = F.linear(x, w, b)  # the two-launch path on the CPU
@@ -153,7 +156,6 @@ def _run() -> dict[str, Any]:
 @functools.cache
 def _results() -> dict[str, Any]:
     return dict(run_interpreted(__file__))
-
 
 
 @needs_triton
