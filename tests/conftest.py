@@ -22,8 +22,26 @@ os.environ.setdefault("PAGEDLLM_KV_CACHE__MEMORY_GB", "0.25")
 # defaults are float32 and the GGUF kernels at every size, however a test builds its config (servers and
 # other child processes inherit it); tests/test_cpu_dtype.py tests the bf16 choices and what bf16 costs.
 os.environ.setdefault("PAGEDLLM_CPU_FLAGS", "avx2")
-# Two shared cores: more threads than cores makes every test slower.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The CPUs this process may use (a container's mask, not the machine's count).
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+# At most this many pytest-xdist workers: each holds its own engines, KV budgets and reference models, and the
+# tests' servers and interpreter children run beside them, so a many-core machine gains little from more.
+_MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject addopts): one worker per CPU, up to _MAX_WORKERS (two on the 2-core CI machine)."""
+    return max(1, min(_CPUS, _MAX_WORKERS))
+
+
+# Two threads at most, and the CPUs split between the workers (PYTEST_XDIST_WORKER_COUNT is set in each one):
+# more threads than cores makes every test slower. Children the tests start (servers, interpreter runs) get
+# the same share through OMP_NUM_THREADS.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, _CPUS // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(autouse=True, scope="module")
