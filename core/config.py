@@ -233,8 +233,8 @@ class EngineConfig(_Section):
     cpu_kernels: Literal["auto", "quantized", "bf16", "int8"] = Field(
         "auto",
         description="GGUF weights kept quantized on the CPU: 'quantized' = gguf_cpu.c at every size (prefill and "
-        "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 16 rows run a bf16 GEMM on a "
-        "bf16 copy of the weights made at load (decode stays on the C kernels; refused when the copy would take more "
+        "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 8 rows run a bf16 GEMM on a "
+        "bf16 copy of the weights made at load (smaller decode batches stay on the C kernels; refused when the copy would take more "
         "than half the available memory), faster but near-tied greedy tokens may flip; 'int8' = those products run "
         "an int8 GEMM (AVX512-VNNI; activations rounded to int8 per 32, as llama.cpp does) on an int8 copy, faster "
         "again but flips more near-tied tokens; auto: bf16 where the CPU has bf16 units, else quantized "

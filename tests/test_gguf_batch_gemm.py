@@ -1,4 +1,4 @@
-"""GGUF products of >= 16 rows on bf16 copies: the MLP's activation handed from GEMM to GEMM in bf16
+"""GGUF products of >= COPY_GEMM_ROWS rows on bf16 copies: the MLP's activation handed from GEMM to GEMM in bf16
 (GGUFLinearMethod.apply_act_and_mul), against torch's own bf16 MLP on the same dequantized weights."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from test_quant_gguf import quantized
 from torch import nn
 
-from pagedllm.plugins.quantization.gguf.kernels import NATIVE_GEMM_ROWS
+from pagedllm.plugins.quantization.gguf.kernels import COPY_GEMM_ROWS, NATIVE_GEMM_ROWS
 from pagedllm.plugins.quantization.gguf.method import GGUFConfig
 
 
@@ -49,8 +49,11 @@ def test_the_mlp_activation_goes_from_gemm_to_gemm_in_bf16() -> None:
     assert y.dtype == torch.float32
     assert torch.equal(y, F.linear(act, down_blocks.dequantize().to(torch.bfloat16)).float())
 
-    # Decode-sized products and other activations keep the float32 path.
-    assert gate_up.quant_method.apply_act_and_mul(gate_up, x[: NATIVE_GEMM_ROWS - 1], "silu") is None
+    # Decode-sized products and other activations keep the float32 path; the bf16 copy from COPY_GEMM_ROWS
+    # rows on, fewer than the float32 path's dequantized GEMM takes (kernels.py NOTE 6).
+    assert COPY_GEMM_ROWS < NATIVE_GEMM_ROWS
+    assert gate_up.quant_method.apply_act_and_mul(gate_up, x[:COPY_GEMM_ROWS], "silu") is not None
+    assert gate_up.quant_method.apply_act_and_mul(gate_up, x[: COPY_GEMM_ROWS - 1], "silu") is None
     assert gate_up.quant_method.apply_act_and_mul(gate_up, x, "gelu_tanh") is None
     # A layer without a bf16 copy (a dense tensor in the file) would answer a bf16 input in bf16: from then on
     # no layer of this model hands its activation over in bf16.

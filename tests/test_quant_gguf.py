@@ -38,6 +38,7 @@ from pagedllm.plugins.quantization.gguf import batch_gemm
 from pagedllm.plugins.quantization.gguf import native as gguf_native
 from pagedllm.plugins.quantization.gguf.cpu_ops import cpu_ops
 from pagedllm.plugins.quantization.gguf.kernels import (
+    COPY_GEMM_ROWS,
     NATIVE_GEMM_ROWS,
     GroupInt8Kernel,
     Int4PackKernel,
@@ -123,7 +124,8 @@ def test_native_kernel_bf16_batch_gemm_equals_torchs_bf16_linear(packed: bool, m
     kernel.keep_bf16_copy()
     assert kernel._bf16.packed is packed
     dense = blocks.dequantize().to(torch.bfloat16)
-    for m in (NATIVE_GEMM_ROWS, 33, 300):
+    assert not kernel.uses_bf16(torch.randn(COPY_GEMM_ROWS - 1, 160))  # decode rows: gguf_cpu.c (NOTE 6)
+    for m in (COPY_GEMM_ROWS, NATIVE_GEMM_ROWS, 33, 300):
         x = torch.randn(m, 160)
         assert kernel.uses_bf16(x)
         y = kernel(x)

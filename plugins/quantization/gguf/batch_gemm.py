@@ -1,4 +1,4 @@
-"""The bf16 copy of a GGUF matrix that NativeKernel's large products (>= NATIVE_GEMM_ROWS rows) multiply by.
+"""The bf16 copy of a GGUF matrix that NativeKernel's large products (>= COPY_GEMM_ROWS rows) multiply by.
 
 NOTE 1: the copy is kept in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
 torch.compile's CPU backend packs linear weights into) where this torch build has oneDNN's bf16 linear. A plain

@@ -44,13 +44,20 @@ _ACT = torch.bfloat16  # NOTE 1
 # matrix in C and lets MKL's float32 GEMM do the rest; below it its own kernel decodes each block once per 4
 # rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
 NATIVE_GEMM_ROWS = 16
-# NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= NATIVE_GEMM_ROWS products run a bf16 GEMM
+# NOTE 6: a kept bf16 or int8 copy (NOTE 4, 5) takes products from this many rows on, fewer than the float32
+# path's: it has no per-call dequantization to amortize, only the GEMM's fixed cost against gguf_cpu.c's
+# decode kernel, which passes over the matrix once per 8-row tile (SmolLM2's 49,152-row LM head at 12 rows:
+# 10.9 ms against the bf16 GEMM's 3.5). Measured per matrix with tools/bench_cpu_gemm.py (2 threads, weights
+# from memory, Zen 4): the bf16 GEMM wins a layer's products from 8 rows (0.75 vs 0.85 ms), the int8 GEMM
+# already from 4; one threshold for both keeps the rows a step's products round the same whichever copy is kept.
+COPY_GEMM_ROWS = 8
+# NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= COPY_GEMM_ROWS products run a bf16 GEMM
 # on a bf16 copy of the matrix made once at load (`keep_bf16_copy`, packed for oneDNN: batch_gemm.py; the
 # engine's `cpu_kernels`, chosen in pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per
 # call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
 # dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
 # costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
-# NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= NATIVE_GEMM_ROWS products run int8_gemm.c instead, on an int8
+# NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= COPY_GEMM_ROWS products run int8_gemm.c instead, on an int8
 # copy of the matrix made once at load (`keep_int8_copy`: the 4-bit values unpacked to bytes, their per-32
 # scales kept) with the activations rounded to int8 per 32 as llama.cpp does; 1.6-2.6x the bf16 GEMM at
 # SmolLM2's shapes (platform/cpu_compute.py NOTE 4). A kernel keeps one of the two copies, never both.
@@ -69,18 +76,21 @@ class NativeKernel(nn.Module):
         self._lib = lib
         self._bf16: Bf16Matrix | None = None  # NOTE 4: the matrix in bf16 for large products, when kept
         self._int8: Int8Matrix | None = None  # NOTE 5: or in int8
+        self.direct_rows = NATIVE_GEMM_ROWS  # products of fewer rows run gguf_cpu.c's kernel (NOTE 3, 6)
 
     def keep_bf16_copy(self, out_dtype: torch.dtype = torch.float32) -> None:
-        """Keep the matrix dequantized to bf16 for products of >= NATIVE_GEMM_ROWS rows (NOTE 4), whose outputs
+        """Keep the matrix dequantized to bf16 for products of >= COPY_GEMM_ROWS rows (NOTE 4, 6), whose outputs
         then come back in `out_dtype` (the model's activations) whatever x's dtype."""
         self._int8 = None
         self._bf16 = Bf16Matrix(self.dequantize(), out_dtype)
+        self.direct_rows = COPY_GEMM_ROWS
 
     def keep_int8_copy(self, lib: Int8Library, out_dtype: torch.dtype = torch.float32) -> None:
-        """Keep the matrix repacked for int8_gemm.c for products of >= NATIVE_GEMM_ROWS rows (NOTE 5), their
+        """Keep the matrix repacked for int8_gemm.c for products of >= COPY_GEMM_ROWS rows (NOTE 5, 6), their
         outputs in `out_dtype`."""
         self._bf16 = None
         self._int8 = Int8Matrix(lib, self.ggml_type, self.blocks, self.n, self.k, out_dtype)
+        self.direct_rows = COPY_GEMM_ROWS
 
     @property
     def has_bf16_copy(self) -> bool:
@@ -92,11 +102,11 @@ class NativeKernel(nn.Module):
 
     def uses_batch_copy(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the bf16 or int8 GEMM (NOTE 4, 5), whose products are rounded."""
-        return (self._bf16 is not None or self._int8 is not None) and x.numel() // self.k >= NATIVE_GEMM_ROWS
+        return (self._bf16 is not None or self._int8 is not None) and x.numel() // self.k >= self.direct_rows
 
     def uses_bf16(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the bf16 GEMM (NOTE 4)."""
-        return self._bf16 is not None and x.numel() // self.k >= NATIVE_GEMM_ROWS
+        return self._bf16 is not None and x.numel() // self.k >= self.direct_rows
 
     def bf16_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T [..., N] as the bf16 GEMM writes it (bf16), or None where forward(x) would not run it."""
@@ -105,16 +115,16 @@ class NativeKernel(nn.Module):
         return self._bf16.product(x.reshape(-1, self.k)).reshape(*x.shape[:-1], self.n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] < NATIVE_GEMM_ROWS and x.dtype == torch.float32 and x.is_contiguous():
+        if x.dim() == 2 and x.shape[0] < self.direct_rows and x.dtype == torch.float32 and x.is_contiguous():
             # NOTE: the decode path (~120 calls a token): no reshapes, and the buffer read from _buffers
             # directly (nn.Module.__getattr__ costs ~1 us a call here).
             y = torch.empty(x.shape[0], self.n)
             self._lib.matmul(self.ggml_type, self._buffers["blocks"], self.n, self.k, x, y)
             return y
         flat = x.reshape(-1, self.k)
-        if self._int8 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
+        if self._int8 is not None and flat.shape[0] >= self.direct_rows:
             return self._int8(flat).reshape(*x.shape[:-1], self.n)
-        if self._bf16 is not None and flat.shape[0] >= NATIVE_GEMM_ROWS:
+        if self._bf16 is not None and flat.shape[0] >= self.direct_rows:
             return self._bf16(flat).reshape(*x.shape[:-1], self.n)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()

@@ -22,7 +22,8 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                                     drawn on the model's device
     batch_gemm: "float32" (default) -- CPU products of >= 16 rows (prefill, batches): the matrix dequantized
                                     to float32 per call, then a float32 GEMM
-                "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4)
+                "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4),
+                                    from 8 rows on (COPY_GEMM_ROWS: NOTE 6)
                 "int8"           -- an int8 copy of each matrix kept from load, int8 activations per 32,
                                     gguf/int8_gemm.c's AVX512-VNNI GEMM (kernels.py NOTE 5); the bf16 copy
                                     where that kernel cannot be built (logged)
@@ -362,8 +363,9 @@ class GGUFLinearMethod(_PieceCollector):
         self._finish(layer, kernels)
 
     def apply_act_and_mul(self, layer: nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor | None:
-        """silu(gate) * up in bf16, straight from this [gate | up] layer's bf16 GEMM, for products of >= 16 rows
-        on bf16 copies (QuantizationMethod's optional member); None elsewhere: apply, then the activation.
+        """silu(gate) * up in bf16, straight from this [gate | up] layer's bf16 GEMM, for products of >=
+        COPY_GEMM_ROWS rows on bf16 copies (QuantizationMethod's optional member); None elsewhere: apply, then
+        the activation.
 
         NOTE: this skips a float32 round trip -- the [M, 2d] GEMM output widened, SiLU-mul in float32 (one
         thread), its [M, d] output narrowed again for the down projection's bf16 GEMM: SmolLM2's 32 prompts of
