@@ -25,7 +25,7 @@ os.environ.setdefault("PAGEDLLM_CPU_FLAGS", "avx2")
 # The CPUs this process may use (a container's mask, not the machine's count).
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 # At most this many pytest-xdist workers: each holds its own engines, KV budgets and reference models, and the
-# tests' servers and interpreter children run beside them, so a many-core machine gains little from more.
+# tests' servers and interpreter children run beside them: the count is capped, not grown with the machine.
 _MAX_WORKERS = 4
 
 

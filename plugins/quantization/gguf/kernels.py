@@ -46,8 +46,8 @@ _ACT = torch.bfloat16  # NOTE 1
 NATIVE_GEMM_ROWS = 16
 # NOTE 6: a kept bf16 or int8 copy (NOTE 4, 5) takes products from this many rows on, fewer than the float32
 # path's: it has no per-call dequantization to amortize, only the GEMM's fixed cost against gguf_cpu.c's
-# decode kernel, which passes over the matrix once per 8-row tile (SmolLM2's 49,152-row LM head at 12 rows:
-# 10.9 ms against the bf16 GEMM's 3.5). Measured per matrix with tools/bench_cpu_gemm.py (2 threads, weights
+# decode kernel, whose time grows fastest with the rows (SmolLM2's 49,152-row LM head at 12 rows: 10.9 ms
+# against the bf16 GEMM's 3.5). Measured per matrix with tools/bench_cpu_gemm.py (2 threads, weights
 # from memory, Zen 4): the bf16 GEMM wins a layer's products from 8 rows (0.75 vs 0.85 ms), the int8 GEMM
 # already from 4; one threshold for both keeps the rows a step's products round the same whichever copy is kept.
 COPY_GEMM_ROWS = 8
