@@ -235,7 +235,7 @@ class EngineConfig(_Section):
         description="GGUF weights kept quantized on the CPU: 'quantized' = gguf_cpu.c at every size (prefill and "
         "batches dequantize each matrix to float32 per call); 'bf16' = products of >= 8 rows run a bf16 GEMM on a "
         "bf16 copy of the weights made at load (smaller decode batches stay on the C kernels; refused when the copy would take more "
-        "than half the available memory), faster but near-tied greedy tokens may flip; 'int8' = those products run "
+        "than half the available memory), faster but near-tied greedy tokens may flip; 'int8' = products of >= 2 rows run "
         "an int8 GEMM (AVX512-VNNI; activations rounded to int8 per 32, as llama.cpp does) on an int8 copy, faster "
         "again but flips more near-tied tokens; auto: bf16 where the CPU has bf16 units, else quantized "
         "(platform/cpu_compute.py NOTE 3, 4)",

@@ -3,7 +3,7 @@
 1. The kernel equals a plain torch reference of the same int8 math (the activations rounded per 32 as the
    kernel does, exact integer sums, then the per-block scales), for Q4_0 / Q4_1 / Q8_0 and odd M / N / K.
 2. A row's outputs do not depend on the other rows of the batch (bit for bit alone and inside 37 rows).
-3. NativeKernel runs it from COPY_GEMM_ROWS rows on, keeping the int8 copy and not the bf16 one.
+3. NativeKernel runs it from INT8_COPY_ROWS rows on, keeping the int8 copy and not the bf16 one.
 4. cpu_kernels' choice by the CPU's flags (faked), with the reason.
 5. Teacher-forced greedy top-1, int8 batches against the dequantized float32 model, on a tiny random Llama
    GGUF and on SmolLM2: what was measured (96.7 % on SmolLM2: under auto's 99 %, so int8 is opt-in).
@@ -34,7 +34,7 @@ from pagedllm import LLM
 from pagedllm.platform.cpu_compute import choose_gguf_batch_gemm
 from pagedllm.platform.cpu_features import parse_cpuinfo
 from pagedllm.plugins.quantization.gguf.int8_gemm import Int8Matrix, int8_library
-from pagedllm.plugins.quantization.gguf.kernels import COPY_GEMM_ROWS, NativeKernel
+from pagedllm.plugins.quantization.gguf.kernels import INT8_COPY_ROWS, NativeKernel
 from pagedllm.plugins.quantization.gguf.method import make_kernel
 from pagedllm.plugins.quantization.gguf.native import native_library
 
@@ -146,13 +146,13 @@ def test_native_kernel_runs_the_int8_copy_from_the_batch_rows_on() -> None:
     kernel.keep_int8_copy(lib)
     assert kernel.has_int8_copy and not kernel.has_bf16_copy  # one copy, never both
     mat = Int8Matrix(lib, int(Q.Q4_1), blocks.data, 96, 160)
-    x = torch.randn(COPY_GEMM_ROWS, 160)
-    assert kernel.uses_batch_copy(x) and not kernel.uses_batch_copy(x[:-1])
+    x = torch.randn(INT8_COPY_ROWS + 4, 160)
+    assert kernel.uses_batch_copy(x[:INT8_COPY_ROWS]) and not kernel.uses_batch_copy(x[: INT8_COPY_ROWS - 1])
     assert torch.equal(kernel(x), mat(x))
     wide = torch.randn(2, 20, 320)[..., ::2]  # not contiguous, two prompts' rows
     assert torch.equal(kernel(wide), mat(wide.reshape(40, 160).contiguous()).reshape(2, 20, 96))
-    few = x[:3].contiguous()  # decode rows stay on gguf_cpu.c
-    y = torch.empty(3, 96)
+    few = x[:1].contiguous()  # a single stream stays on gguf_cpu.c
+    y = torch.empty(1, 96)
     native_library().matmul(int(Q.Q4_1), blocks.data, 96, 160, few, y)  # type: ignore[union-attr]
     assert torch.equal(kernel(few), y)
 

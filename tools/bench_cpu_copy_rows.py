@@ -1,6 +1,7 @@
 """A/B in one engine: from how many rows a GGUF model's kept bf16 / int8 copies take a product (kernels.py NOTE 6).
 
     python tools/bench_cpu_copy_rows.py [--batches 4,8,12,16] [--rounds 3] [--rows 8,16] [--model PATH]
+                                        [--cpu-kernels int8]
 
 Builds one engine (the embedded default model unless --model; its `cpu_kernels` as the CPU decides), then per
 batch size runs the same greedy batch (32-128 random prompt ids, 64 output tokens, ignore_eos) with every
@@ -29,9 +30,11 @@ def main() -> None:
     ap.add_argument("--rows", default="8,16", help="the two thresholds compared (A, B)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--cpu-kernels", default=None, help="the engine's cpu_kernels (default: its own choice)")
     args = ap.parse_args()
     a_rows, b_rows = (int(v) for v in args.rows.split(","))
-    llm = LLM(args.model) if args.model else LLM()
+    kw = {"cpu_kernels": args.cpu_kernels} if args.cpu_kernels else {}
+    llm = LLM(args.model, **kw) if args.model else LLM(**kw)
     gc.unfreeze()  # the engine freezes what exists at its start; frozen objects are not in gc.get_objects()
     kernels = [o for o in gc.get_objects() if isinstance(o, NativeKernel) and (o.has_bf16_copy or o.has_int8_copy)]
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {len(kernels)} kernels with a kept copy, "

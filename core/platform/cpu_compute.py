@@ -6,7 +6,7 @@ Three choices, each returned with the reason `pagedllm config show --resolve` an
    AVX512-BF16), float32 otherwise. Weights, activations and the KV cache then share that dtype; oneDNN runs
    the bf16 GEMMs on those units.
 2. For a GGUF file kept quantized (`cpu_kernels`, EngineConfig): which GEMM its large products (prefill,
-   batches of >= 8 rows) run -- a bf16 GEMM on a bf16 copy of each matrix made at load where the CPU has bf16
+   batches of >= 8 rows; >= 2 for int8) run -- a bf16 GEMM on a bf16 copy of each matrix made at load where the CPU has bf16
    dot products and the copy fits (NOTE 3), else the matrix dequantized to float32 per call; on request an int8
    GEMM on an int8 copy (NOTE 4); smaller decode batches stay on gguf_cpu.c's kernels.
 3. The KV cache's dtype for `kv_cache.cache_dtype: auto` (NOTE 5): bfloat16 for a float32 model kept
@@ -103,7 +103,7 @@ def choose_cpu_dtype(features: CPUFeatures) -> CpuChoice:
 def choose_gguf_batch_gemm(
     features: CPUFeatures, requested: CpuKernels, bf16_copy_bytes: int | None, available_bytes: int | None
 ) -> CpuChoice:
-    """Which GEMM a kept-quantized GGUF model's large products (>= 8 rows: prefill, batches) run on the CPU:
+    """Which GEMM a kept-quantized GGUF model's large products (>= 8 rows, int8 >= 2: prefill, batches) run on the CPU:
     'bfloat16' (a bf16 copy of each matrix made at load), 'int8' (an int8 copy, int8 activations: NOTE 4) or
     'float32' (each matrix dequantized per call).
 
@@ -144,7 +144,7 @@ def choose_gguf_batch_gemm(
     if int8:
         return CpuChoice(
             "int8",
-            "cpu_kernels: int8 (config): products of >= 8 rows run int8 GEMMs (vpdpbusd, activations rounded to "
+            "cpu_kernels: int8 (config): products of >= 2 rows run int8 GEMMs (vpdpbusd, activations rounded to "
             "int8 per 32 as llama.cpp does: NOTE 4) on an int8 copy of the weights made at load; decode stays on the "
             "GGUF C kernels",
         )

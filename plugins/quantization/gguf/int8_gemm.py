@@ -1,4 +1,4 @@
-"""The int8 copy of a GGUF matrix that NativeKernel's large products (>= COPY_GEMM_ROWS rows) multiply by on
+"""The int8 copy of a GGUF matrix that NativeKernel's large products (>= INT8_COPY_ROWS rows) multiply by on
 CPUs with AVX512-VNNI (int8_gemm.c: the layout, the math and the tile are its NOTEs 1-3).
 
     int8_library()  -> Int8Library, or None with `unavailable_reason()` saying why (no C compiler, a failed

@@ -44,20 +44,22 @@ _ACT = torch.bfloat16  # NOTE 1
 # matrix in C and lets MKL's float32 GEMM do the rest; below it its own kernel decodes each block once per 4
 # rows. An estimate, not yet tuned: the crossover could not be measured on the shared machine (perf-notes §6).
 NATIVE_GEMM_ROWS = 16
-# NOTE 6: a kept bf16 or int8 copy (NOTE 4, 5) takes products from this many rows on, fewer than the float32
-# path's: it has no per-call dequantization to amortize, only the GEMM's fixed cost against gguf_cpu.c's
-# decode kernel, whose time grows fastest with the rows (SmolLM2's 49,152-row LM head at 12 rows: 10.9 ms
-# against the bf16 GEMM's 3.5). Measured per matrix with tools/bench_cpu_gemm.py (2 threads, weights
-# from memory, Zen 4): the bf16 GEMM wins a layer's products from 8 rows (0.75 vs 0.85 ms), the int8 GEMM
-# already from 4; one threshold for both keeps the rows a step's products round the same whichever copy is kept.
+# NOTE 6: a kept bf16 or int8 copy (NOTE 4, 5) takes products from fewer rows than the float32 path: it has no
+# per-call dequantization to amortize, only the GEMM's fixed cost against gguf_cpu.c's decode kernel, whose
+# time grows fastest with the rows (SmolLM2's 49,152-row LM head at 12 rows: 10.9 ms against the bf16 GEMM's
+# 3.5). Measured per matrix with tools/bench_cpu_gemm.py (2 threads, weights from memory, Zen 4): the bf16
+# GEMM wins a layer's products from 8 rows (0.75 vs 0.85 ms); the int8 GEMM already from 4, and end to end
+# (tools/bench_cpu_copy_rows.py --cpu-kernels int8) decode batches of 2 and 3 ran 1.07-1.08x faster from 2
+# rows than from 4, a single stream tied (0.99x) at more CPU time, so it stays on the C kernel.
 COPY_GEMM_ROWS = 8
+INT8_COPY_ROWS = 2
 # NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= COPY_GEMM_ROWS products run a bf16 GEMM
 # on a bf16 copy of the matrix made once at load (`keep_bf16_copy`, packed for oneDNN: batch_gemm.py; the
 # engine's `cpu_kernels`, chosen in pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per
 # call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
 # dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
 # costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
-# NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= COPY_GEMM_ROWS products run int8_gemm.c instead, on an int8
+# NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= INT8_COPY_ROWS products run int8_gemm.c instead, on an int8
 # copy of the matrix made once at load (`keep_int8_copy`: the 4-bit values unpacked to bytes, their per-32
 # scales kept) with the activations rounded to int8 per 32 as llama.cpp does; 1.6-2.6x the bf16 GEMM at
 # SmolLM2's shapes (platform/cpu_compute.py NOTE 4). A kernel keeps one of the two copies, never both.
@@ -86,11 +88,11 @@ class NativeKernel(nn.Module):
         self.direct_rows = COPY_GEMM_ROWS
 
     def keep_int8_copy(self, lib: Int8Library, out_dtype: torch.dtype = torch.float32) -> None:
-        """Keep the matrix repacked for int8_gemm.c for products of >= COPY_GEMM_ROWS rows (NOTE 5, 6), their
+        """Keep the matrix repacked for int8_gemm.c for products of >= INT8_COPY_ROWS rows (NOTE 5, 6), their
         outputs in `out_dtype`."""
         self._bf16 = None
         self._int8 = Int8Matrix(lib, self.ggml_type, self.blocks, self.n, self.k, out_dtype)
-        self.direct_rows = COPY_GEMM_ROWS
+        self.direct_rows = INT8_COPY_ROWS
 
     @property
     def has_bf16_copy(self) -> bool:

@@ -25,7 +25,8 @@ Options (the checkpoint's quantization_config, or `plugins.gguf` in the engine c
                 "bfloat16"       -- a bf16 copy of each matrix kept from load, a bf16 GEMM (kernels.py NOTE 4),
                                     from 8 rows on (COPY_GEMM_ROWS: NOTE 6)
                 "int8"           -- an int8 copy of each matrix kept from load, int8 activations per 32,
-                                    gguf/int8_gemm.c's AVX512-VNNI GEMM (kernels.py NOTE 5); the bf16 copy
+                                    gguf/int8_gemm.c's AVX512-VNNI GEMM (kernels.py NOTE 5), from 2 rows on
+                                    (INT8_COPY_ROWS: NOTE 6); the bf16 copy
                                     where that kernel cannot be built (logged)
                                     (not a `plugins.gguf` key: the engine passes it from its `cpu_kernels`,
                                     platform/cpu_compute.py in the core)
