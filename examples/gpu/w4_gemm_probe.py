@@ -12,6 +12,8 @@ measured at a quarter of cuBLAS's rate at 2048 rows. Two suspected costs, each a
            OR the 4-bit code into the mantissa of 128.0 (bf16 0x4300, fp16 1024.0 0x6400), bitcast, subtract the
            zero the same way, multiply by the scale in 16 bits: no conversion instruction, the same value
            (q - z is exact; the one rounding is the product's, as the method's)
+  LOAD  0: each packed word loaded once and broadcast to its 8 codes by a reshape (the method's GEMM); 1: each
+           code loads its own word (8 loads of one address, served by L1; no layout change)
   SWAP  0: y = x @ W^T with the dequantized weight as tl.dot's second operand (on sm_90 wgmma reads that one
            from shared memory, so every dequantized tile goes through it); 1: y^T = W @ x^T, the weight the
            first operand, which wgmma can take from registers, and few rows fill the small side of the tile
@@ -50,6 +52,7 @@ BUDGET_S = 420.0  # the grid stops taking new points here; the summary follows
 @triton.jit
 def _w4_probe_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                      GROUP: tl.constexpr, ZERO_OFFSET: tl.constexpr, DEQ: tl.constexpr, SWAP: tl.constexpr,
+                     LOAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     PF: tl.constexpr = 8
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,14 +79,20 @@ def _w4_probe_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
         s = tl.load(s_ptr + g * N + offs_n)
         if SWAP:
             x = tl.load(x_ptr + offs_m[None, :] * K + offs_k[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM]
-            words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None])  # [BN, BK / 8]
-            words = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_N, BLOCK_K // PF, PF)), (BLOCK_N, BLOCK_K))
+            if LOAD == 0:
+                words = tl.load(qw_ptr + offs_kw[None, :] * N + offs_n[:, None])  # [BN, BK / 8]
+                words = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_N, BLOCK_K // PF, PF)), (BLOCK_N, BLOCK_K))
+            else:  # each code's own load of its word (8 loads of one address, served by L1): no reshape
+                words = tl.load(qw_ptr + (offs_k // PF)[None, :] * N + offs_n[:, None])
             q = (words >> ((offs_k % PF) * 4)[None, :]) & 15
             zz, ss = z[:, None], s[:, None]
         else:
             x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
-            words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :])  # [BK / 8, BN]
-            words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // PF, PF, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            if LOAD == 0:
+                words = tl.load(qw_ptr + offs_kw[:, None] * N + offs_n[None, :])  # [BK / 8, BN]
+                words = tl.reshape(tl.broadcast_to(words[:, None, :], (BLOCK_K // PF, PF, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            else:
+                words = tl.load(qw_ptr + (offs_k // PF)[:, None] * N + offs_n[None, :])
             q = (words >> ((offs_k % PF) * 4)[:, None]) & 15
             zz, ss = z[None, :], s[None, :]
         if DEQ == 0:
@@ -108,18 +117,18 @@ def _w4_probe_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
         tl.atomic_add(out, acc, mask=ok)
 
 
-Config = tuple[int, int, int, int, int, int, int, int]  # DEQ, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages
+Config = tuple[int, int, int, int, int, int, int, int, int]  # DEQ, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, LOAD
 
 
 def probe(x: torch.Tensor, qw: torch.Tensor, qz: torch.Tensor, s: torch.Tensor, cfg: Config,
           zero_offset: int) -> torch.Tensor:
-    deq, swap, bm, bn, bk, split, warps, stages = cfg
+    deq, swap, bm, bn, bk, split, warps, stages, load = cfg
     m, k = x.shape
     n = s.shape[1]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype) if split == 1 else torch.zeros(m, n, device=x.device)
     grid = (triton.cdiv(m, bm), n // bn, split)
     _w4_probe_kernel[grid](x, qw, qz, s, y, m, n, k, k // split, GROUP=128, ZERO_OFFSET=zero_offset, DEQ=deq,
-                           SWAP=swap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                           SWAP=swap, LOAD=load, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                            num_warps=warps, num_stages=stages)
     return y if split == 1 else y.to(x.dtype)
 
@@ -130,6 +139,7 @@ TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 12
          (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
          (256, 128, 64, 8, 3), (32, 128, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4),
          (16, 64, 128, 4, 4)]
+LOADS = (1, 0)
 STAGE1_ROWS = (256, 32)  # the whole grid; every other row count takes these rows' best few (KEEP)
 KEEP = 8
 
@@ -138,11 +148,11 @@ def configs(m: int, n: int, k: int, dry: bool, among: list[Config] | None = None
     """The grid's points valid for an [m, k] x [k, n] product (DEQ 2 only: DEQ 0 is timed at the best
     point), or those of `among` that are."""
     cand = among if among is not None else [
-        (2, swap, bm, bn, bk, split, warps, stages) for swap in (1, 0) for bm, bn, bk, warps, stages in TILES
-        for split in (1, 2, 4)]
+        (2, swap, bm, bn, bk, split, warps, stages, load) for load in LOADS for swap in (1, 0)
+        for bm, bn, bk, warps, stages in TILES for split in (1, 2, 4)]
     out: list[Config] = []
     for cfg in cand:
-        _, swap, bm, bn, bk, split, _, _ = cfg
+        _, swap, bm, bn, bk, split, _, _, _ = cfg
         if (bm > max(16, triton.next_power_of_2(m)) and not (not swap and bm == 64)) or (not swap and bm < 64) or n % bn:
             continue
         tiles = triton.cdiv(m, bm) * (n // bn)
@@ -153,7 +163,7 @@ def configs(m: int, n: int, k: int, dry: bool, among: list[Config] | None = None
 
 
 def point(timer: Timer, name: str, n: int, k: int, m: int, device: str, dtype: torch.dtype, dry: bool,
-          cands: list[Config], t_start: float) -> tuple[dict[str, Any], dict[Config, float]]:
+          cands: list[Config], t_start: float, budget_s: float) -> tuple[dict[str, Any], dict[Config, float]]:
     from pagedllm.plugins.quantization.w4a16.dequant import w4a16_dequant_matmul
     from pagedllm.plugins.quantization.w4a16.kernel import w4a16_matmul, w4a16_route
 
@@ -182,7 +192,7 @@ def point(timer: Timer, name: str, n: int, k: int, m: int, device: str, dtype: t
 
     times: dict[Config, float] = {}
     for cfg in cands:
-        if time.monotonic() - t_start > BUDGET_S:
+        if time.monotonic() - t_start > budget_s:
             row["cut_by_budget"] = True
             break
         us = time_cfg(cfg)
@@ -206,6 +216,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes: the paths run")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--stage1-rows", default=",".join(map(str, STAGE1_ROWS)))
+    ap.add_argument("--tiles", default=None, help="BM:BN:BK:warps:stages,... (default: TILES)")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S)
     args = ap.parse_args()
     dry = args.dry_run
     device = "cpu" if dry else "cuda"
@@ -217,14 +230,18 @@ def main() -> int:
     points: list[dict[str, Any]] = []
     # Stage 1: the whole grid at STAGE1_ROWS; then every other row count tries the KEEP configs that did best
     # (summed time over the linears, each relative to its best) at the nearer of them.
-    stage1 = [m for m in STAGE1_ROWS if m in rows] if not dry else list(rows)
+    if args.tiles:
+        TILES[:] = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]  # type: ignore[misc]
+    stage1_rows = tuple(int(r) for r in args.stage1_rows.split(","))
+    stage1 = [m for m in stage1_rows if m in rows] if not dry else list(rows)
     ranked: dict[int, list[Config]] = {}
     for m in stage1 + [r for r in rows if r not in stage1]:
-        rep = min(ranked, key=lambda r: abs(r - m) / r, default=None) if m not in stage1 else None
+        rep = min(ranked, key=lambda r: abs(r - m) / min(r, m), default=None) if m not in stage1 else None
         per_cfg: dict[Config, tuple[int, float]] = {}  # (linears timed, summed time relative to each best)
         for name, (n, k) in linears.items():
             row, times = point(timer, name, n, k, m, device, dtype, dry,
-                               configs(m, n, k, dry, ranked[rep] if rep is not None else None), t_start)
+                               configs(m, n, k, dry, ranked[rep] if rep is not None else None), t_start,
+                               args.budget_s)
             best_us = min(times.values(), default=0.0)
             for cfg, us in times.items():
                 seen, total = per_cfg.get(cfg, (0, 0.0))
