@@ -3,8 +3,8 @@
 As in test_triton_attention.py, TRITON_INTERPRET must be set before triton is first imported, so the cases
 run in one child process (this file as a script) and the tests read its JSON. The reference is built from
 the test packer's integer codes (quant_packers.QuantizedLinear.dense), in float64; the kernel sees only the
-packed words. Shapes are tiny (the interpreter runs each program in numpy) but cover both block configs
-(decode M <= 16, prefill M > 64), partial N tiles, split-K, act-order (g_idx read per input, and sorted by group as the method does), 2/4/8 bits, float32 and float16.
+packed words. Shapes are tiny (the interpreter runs each program in numpy) but cover the block configs
+(decode M <= 16, 17-63, the wide layers' 64-128, prefill M > 128), partial N tiles, split-K, act-order (g_idx read per input, and sorted by group as the method does), 2/4/8 bits, float32 and float16.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ CASES = [
     ("gptq8_actorder_v2", "gptq", 8, 64, True, False, 17, "float32", None),
     ("gptq4_actorder_sorted", "gptq", 4, 32, "sorted", True, 6, "float32", None),
     ("gptq2_fp16", "gptq", 2, 32, False, False, 3, "float16", None),
+    # kernel.py NOTE 6's wide-layer tiles (64 x 128 x 128 at 64 rows, 128 x 128 x 64 to 128) and the 64 x 64 x 64
+    # prefill tile above; the launcher's table picks them by rows whatever N is
+    ("gptq4_rows64_fp16", "gptq", 4, 64, False, True, 64, "float16", None),
+    ("gptq4_rows130", "gptq", 4, 32, False, True, 130, "float32", None),
 ]
 N, K = 96, 256  # N = 96: the 64-wide prefill tiles end in a partial tile
 

@@ -9,7 +9,8 @@
         pagedllm.api.kernels.dense_gemv, core/layers/dense_gemv_kernel.py NOTE 7): a decode step reads the
         1-byte weights once, without the activation-quantization launch before each product
     apply, CUDA with compute capability >= 8.9 and activations quantized, more rows:
-        x_q = fp8(x / a),  y = torch._scaled_mm(x_q, W_q^T, scale_a=a [M, 1], scale_b=row scale [1, N])
+        x_q = fp8(x / a),  y = (x_q @ W_q^T) * a [M, 1] * row scale [1, N]: up to 64 rows (128 for narrow
+        layers) a Triton GEMM whose tile follows M (fp8/gemm.py), else torch._scaled_mm (cuBLASLt)
         a = per-token max|x| / 448 (dynamic) or the static input scale; x_q and a in one Triton pass
         (fp8/kernel.py), bit-identical to quantize_activations_torch
     apply, anywhere else (CPU, Ampere, weight-only checkpoints):
@@ -18,7 +19,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -30,6 +33,14 @@ from pagedllm.api.kernels import gemv_blocks
 from pagedllm.api.model import WeightLoadError, set_weight_attrs
 
 logger = logging.getLogger("pagedllm")
+
+# $PAGEDLLM_FP8_TRITON_GEMM=0 sends every quantized-activation product to torch._scaled_mm (A/B runs).
+_TRITON_GEMM = os.environ.get("PAGEDLLM_FP8_TRITON_GEMM", "1") != "0"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -172,9 +183,15 @@ class Fp8LinearMethod:
         flat = x.reshape(-1, x.shape[-1])
         static = cast(torch.Tensor | None, getattr(layer, "fp8_input_scale", None))
         x_q, a = quantize_activations(flat, static)
-        # Row-wise scales need a bfloat16 output (cuBLASLt); the model dtype is restored after.
-        y = torch._scaled_mm(x_q, weight.t(), scale_a=a, scale_b=row_scale.unsqueeze(0), out_dtype=torch.bfloat16)
-        y = y.to(x.dtype)
+        m, (n, k) = flat.shape[0], weight.shape
+        from pagedllm.plugins.quantization.fp8.gemm import fp8_gemm, use_fp8_gemm
+
+        if _TRITON_GEMM and use_fp8_gemm(m, n, k, _sm_count(x.device)):
+            y = fp8_gemm(x_q, a, weight, row_scale, x.dtype)
+        else:
+            # Row-wise scales need a bfloat16 output (cuBLASLt); the model dtype is restored after.
+            y = torch._scaled_mm(x_q, weight.t(), scale_a=a, scale_b=row_scale.unsqueeze(0), out_dtype=torch.bfloat16)
+            y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

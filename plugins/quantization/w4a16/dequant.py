@@ -48,11 +48,11 @@ import triton.language as tl
 
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
-# The dispatcher (w4a16_kernel.w4a16_matmul) sends products of at least this many rows here. An ESTIMATE
-# awaiting the H200 (quant_bench.py's 'W4 dequant+cuBLAS' column at M = 16, 128, 2048, 8192): the scratch
-# costs ~130 us per 8B decoder layer, about what the in-register GEMM loses to bf16 at ~64-128 rows (it is 4.2x
-# bf16 at 2048 rows); vLLM switches AWQ to dequantize + matmul at 256 tokens.
-DEQUANT_MIN_M = 128
+# The dispatcher (w4a16_kernel.w4a16_matmul) sends products of at least this many rows here (wide layers from
+# more: kernel.py NOTE 6). Measured on the H200 (examples/gpu/w4_gemm_probe.py, 2026-12-03, 8B layers): at 64
+# rows this path took 30 / 20 / 142 / 77 us for qkv / o / gate_up / down against the in-register GEMM's 53 / 38 /
+# 193 / 100; at 32 rows the GEMM still won gate_up and down (104 / 57 against 141 / 76).
+DEQUANT_MIN_M = 64
 
 
 @triton.jit

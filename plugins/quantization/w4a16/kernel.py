@@ -8,7 +8,7 @@ codes, looks up each input's group (g_idx for GPTQ act-order, k // group_size ot
 and scale, dequantizes in registers and accumulates tl.dot in float32. The dequantized tile never reaches
 memory, so a decode step reads 4 bits per weight instead of 16.
 
-NOTE 1: block sizes follow M. Decode (M <= 64) is bound by reading the weight: 64-wide N tiles, long K
+NOTE 1: block sizes follow M. Decode (M < 64) is bound by reading the weight: 64-wide N tiles, long K
 steps, and K split over several programs (SPLIT_K) until about twelve programs per SM are in flight, or a
 narrow layer (o_proj, down_proj: N = 4096) would leave most SMs idle. Prefill is bound by the dot: square
 64x64 tiles, no split. The numbers come from the H200 runs in docs/benchmarks.md (quant_bench.py), not an
@@ -25,12 +25,20 @@ NOTE 5: w4a16_matmul picks the kernel by rows:
     8 < M <= 16, 4-bit           the tensor-core GEMV (w4a16/mma.py) once per 8 rows where it runs: on the
                                  H200 an 8B layer at 16 rows is 97.8 us against this GEMM's 181.9 (its tile
                                  pads to 16 rows; examples/gpu/w4_mma_check.py, docs/benchmarks.md tenth pass)
-    8 < M < DEQUANT_MIN_M (128)  this GEMM
+    8 < M < DEQUANT_MIN_M (64)   this GEMM
     M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16/dequant.py: at 2048 rows this
-                                 GEMM is 4.2x bf16's time (the unpacking competes with tl.dot for issue slots)
+                                 GEMM is 2.1x the scratch path's time (the unpacking competes with tl.dot for issue
+                                 slots), at 64 rows 1.4x per 8B layer
+NOTE 6 (wide layers): a layer of at least 128 x SMs output columns (gate_up of an 8B model: 28672) keeps this
+GEMM up to WIDE_GEMM_MAX_M rows with a larger tile (64 x 128 x 128 at 64 rows, 128 x 128 x 64 and four stages
+above): its scratch is the most expensive to write (235 MB at 8B), and the H200 ran its product at 64 rows in
+108 us against dequantize + cuBLAS's 142, at 128 rows 132 against 190, at 256 rows 191 against 171
+(examples/gpu/w4_gemm_probe.py, 2026-12-03; DEQ 0 is this kernel's unpacking).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -41,6 +49,8 @@ from pagedllm.plugins.quantization.w4a16.gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
 MMA_ROWS_MAX_M = 16  # up to here 4-bit products take the tensor-core GEMV in 8-row slices (NOTE 5)
+WIDE_GEMM_MAX_M = 128  # up to here a wide layer's products stay on this GEMM (NOTE 6)
+_SMS = 132  # an H100 / H200, where no device is at hand (route tables printed on the CPU)
 
 
 @triton.jit
@@ -116,17 +126,21 @@ def _w4a16_gemm_kernel(
         tl.atomic_add(y_ptrs, acc, mask=y_mask)
 
 
-def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, SPLIT_K) for an [m, k] x [k, n] product (NOTE 1)."""
+def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, SPLIT_K, num_stages) for an [m, k] x [k, n] product (NOTE 1, 6)."""
     if m <= 16:
         block_m, block_n, block_k, warps = 16, 64, 128, 4
-    elif m <= 64:
+    elif m < DEQUANT_MIN_M:
         block_m, block_n, block_k, warps = 32, 64, 128, 4
+    elif m <= DEQUANT_MIN_M:  # NOTE 6: a wide layer at the dequantizing path's rows
+        return 64, 128, 128, 4, 1, 3
+    elif m <= WIDE_GEMM_MAX_M:
+        return 128, 128, 64, 4, 1, 4
     else:
-        return 64, 64, 64, 4, 1
+        return 64, 64, 64, 4, 1, 3
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = max(1, min(triton.cdiv(_TARGET_PROGRAMS, tiles), _MAX_SPLIT, k // (4 * block_k)))
-    return block_m, block_n, block_k, warps, split
+    return block_m, block_n, block_k, warps, split, 3
 
 
 # About twelve programs per SM of an H100 / H200 (132 SMs), at most 8 slices of K: this gives the H200
@@ -143,18 +157,19 @@ def w4a16_gemm(
     scales: torch.Tensor,
     g_idx: torch.Tensor | None,
     n: int,
-    blocks: tuple[int, int, int, int, int] | None = None,
+    blocks: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequantize(layout, ...) in x's dtype, dequantized inside the kernel.
 
-    `blocks` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, SPLIT_K) overrides the table of NOTE 1 (tuning runs).
+    `blocks` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, SPLIT_K[, num_stages]) overrides the table of NOTE 1
+    (tuning runs).
     """
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     m = flat.shape[0]
     if m == 0:
         return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, split = blocks or _blocks(m, n, k)
+    block_m, block_n, block_k, warps, split, stages = (*blocks, 3)[:6] if blocks else _blocks(m, n, k)
     if g_idx is None:
         block_k = min(block_k, layout.group_size)
         if layout.group_size % block_k:  # a K step would straddle two groups: look groups up per input
@@ -179,6 +194,7 @@ def w4a16_gemm(
         BLOCK_K=block_k,
         SPLIT_K=split,
         num_warps=warps,
+        num_stages=stages,
     )
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -195,7 +211,7 @@ def w4a16_matmul(
     """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the GEMM
     between (NOTE 5)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    route = w4a16_route(layout, m, g_idx)
+    route = w4a16_route(layout, m, g_idx, n, _sm_count(x.device) if x.is_cuda else _SMS)
     if route == "gemv":
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
     if route == "mma_rows":
@@ -209,9 +225,10 @@ def w4a16_matmul(
     return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
 
 
-def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None) -> str:
-    """Which kernel w4a16_matmul runs for `m` rows (NOTE 5): "gemv", "mma_rows" (the tensor-core GEMV on
-    8-row slices where it runs, else the GEMM), "gemm" or "dequant" (+ cuBLAS).
+def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None, n: int = 0, sms: int = _SMS) -> str:
+    """Which kernel w4a16_matmul runs for `m` rows of an `n`-column layer on `sms` SMs (NOTE 5, 6): "gemv",
+    "mma_rows" (the tensor-core GEMV on 8-row slices where it runs, else the GEMM), "gemm" or "dequant"
+    (+ cuBLAS).
 
     Each is CUDA-graph safe: launches and caching-allocator tensors of static shapes, no host sync (the GEMV's
     split-K tickets are allocated at the eager warm-up before capture and reset by the kernel itself)."""
@@ -219,4 +236,12 @@ def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None)
         return "gemv"
     if m <= MMA_ROWS_MAX_M and g_idx is None and layout.kind == "gptq" and layout.bits == 4:
         return "mma_rows"
+    if (m <= WIDE_GEMM_MAX_M and g_idx is None and layout.kind == "gptq" and layout.bits == 4
+            and n // 128 >= sms):
+        return "gemm"  # NOTE 6
     return "dequant" if m >= DEQUANT_MIN_M else "gemm"
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
