@@ -26,10 +26,9 @@ def client() -> Iterator[tuple[EngineCoreClient, list[str]]]:
     c = EngineCoreClient(EngineConfig(model="unused"), on_outputs=lambda _: None, on_death=deaths.append)
     c._reader = object()  # type: ignore[assignment]  # "ready": add_request refuses a starting core
     yield c, deaths
-    c._push.close(linger=0)
-    c._pull.close(linger=0)
-    c._sync_ctx.term()
-    c._async_ctx.term()
+    # destroy, not term: a test that fails while its peer socket is open must not hang the run in term()
+    c._sync_ctx.destroy(linger=0)
+    c._async_ctx.destroy(linger=0)
 
 
 def _request(rid: str) -> Request:
@@ -47,6 +46,9 @@ def test_one_turn_is_one_message_and_an_abort_follows_its_adds(client: tuple[Eng
     c, deaths = client
     peer = c._sync_ctx.socket(zmq.PULL)
     peer.connect(c.input_addr)
+    # connect is asynchronous: on a loaded machine the first add could find no peer yet (and fail, as the
+    # other test wants); a PUSH socket polls writable once a peer is attached
+    assert c._push.poll(10_000, zmq.POLLOUT), "the peer never connected"
 
     async def run() -> None:
         for i in range(8):
