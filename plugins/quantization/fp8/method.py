@@ -9,8 +9,8 @@
         pagedllm.api.kernels.dense_gemv, core/layers/dense_gemv_kernel.py NOTE 7): a decode step reads the
         1-byte weights once, without the activation-quantization launch before each product
     apply, CUDA with compute capability >= 8.9 and activations quantized, more rows:
-        x_q = fp8(x / a),  y = (x_q @ W_q^T) * a [M, 1] * row scale [1, N]: up to 64 rows (128 for narrow
-        layers) a Triton GEMM whose tile follows M (fp8/gemm.py), else torch._scaled_mm (cuBLASLt)
+        x_q = fp8(x / a),  y = (x_q @ W_q^T) * a [M, 1] * row scale [1, N]: on sm_90+ up to 64 rows (128 for
+        narrow layers) a Triton GEMM whose tile follows M (fp8/gemm.py), else torch._scaled_mm (cuBLASLt)
         a = per-token max|x| / 448 (dynamic) or the static input scale; x_q and a in one Triton pass
         (fp8/kernel.py), bit-identical to quantize_activations_torch
     apply, anywhere else (CPU, Ampere, weight-only checkpoints):
@@ -39,8 +39,11 @@ _TRITON_GEMM = os.environ.get("PAGEDLLM_FP8_TRITON_GEMM", "1") != "0"
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _triton_gemm_sms(device: torch.device) -> int:
+    """The SM count fp8/gemm.py's rule sizes its grid by, or 0 where it does not run: only sm_90+ was measured
+    (wgmma's FP8 mode); Ada's FP8 products stay on torch._scaled_mm."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count if _TRITON_GEMM and props.major >= 9 else 0
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -186,7 +189,8 @@ class Fp8LinearMethod:
         m, (n, k) = flat.shape[0], weight.shape
         from pagedllm.plugins.quantization.fp8.gemm import fp8_gemm, use_fp8_gemm
 
-        if _TRITON_GEMM and use_fp8_gemm(m, n, k, _sm_count(x.device)):
+        sms = _triton_gemm_sms(x.device)
+        if sms and use_fp8_gemm(m, n, k, sms):
             y = fp8_gemm(x_q, a, weight, row_scale, x.dtype)
         else:
             # Row-wise scales need a bfloat16 output (cuBLASLt); the model dtype is restored after.

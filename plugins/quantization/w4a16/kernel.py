@@ -26,14 +26,14 @@ NOTE 5: w4a16_matmul picks the kernel by rows:
                                  H200 an 8B layer at 16 rows is 97.8 us against this GEMM's 181.9 (its tile
                                  pads to 16 rows; examples/gpu/w4_mma_check.py, docs/benchmarks.md tenth pass)
     8 < M < DEQUANT_MIN_M (64)   this GEMM
-    M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16/dequant.py: at 2048 rows this
-                                 GEMM is 2.1x the scratch path's time (the unpacking competes with tl.dot for issue
-                                 slots), at 64 rows 1.4x per 8B layer
+    M >= DEQUANT_MIN_M           dequantize into a 16-bit scratch + cuBLAS, w4a16/dequant.py: at 64 rows this
+                                 GEMM takes 1.4x its time per 8B layer, and a variant tuned for 256-2048 rows
+                                 (examples/gpu/w4_gemm_probe.py) 1.1-2.4x (the unpacking competes with tl.dot)
 NOTE 6 (wide layers): a layer of at least 128 x SMs output columns (gate_up of an 8B model: 28672) keeps this
 GEMM up to WIDE_GEMM_MAX_M rows with a larger tile (64 x 128 x 128 at 64 rows, 128 x 128 x 64 and four stages
-above): its scratch is the most expensive to write (235 MB at 8B), and the H200 ran its product at 64 rows in
-108 us against dequantize + cuBLAS's 142, at 128 rows 132 against 190, at 256 rows 191 against 171
-(examples/gpu/w4_gemm_probe.py, 2026-12-03; DEQ 0 is this kernel's unpacking).
+above): its scratch is the most expensive to write (235 MB at 8B). On the H200 (2026-12-03) its product took
+113 / 137 / 146 us at 64 / 96 / 128 rows against dequantize + cuBLAS's 142 / 142 / 187, and lost at 256
+(the probe's best 186 against 171).
 """
 
 from __future__ import annotations
