@@ -15,7 +15,8 @@ weight tile is wgmma's 64-row side and 16-64 activation rows its N side (CUTLASS
 BLOCK_M = 16 up to 16 rows, else 64; BLOCK_N 64, BLOCK_K 256 (32 bytes of K per lane a load). A wide output
 (at least 2 x SMs column tiles of 64: gate_up) takes the unswapped 64 x 128 x 128 tile, which the probe found
 best for it at every M. Long reductions (K >= 8192: down_proj) of up to 16 rows split K until the grid has
-about one program per SM (the probe's best at 4-16 rows; at 64 rows one slice was); partial sums meet in a zeroed float32 buffer by atomics (summation order, so the last bits, may vary).
+about one program per SM (the probe's best at 4-16 rows; at 64 rows one slice was); partial sums meet in
+a zeroed float32 buffer by atomics (summation order, so the last bits, may vary).
 NOTE 2 (when, use_fp8_gemm): M <= 64, or M <= 128 while cuBLASLt's 128 x 128 grid would fill under half
 the SMs; N a multiple of 64 and K of 256 (no masks along N or K). The method runs it on sm_90+ only (what
 was measured); Ada's FP8 products stay on torch._scaled_mm.
