@@ -6,13 +6,13 @@
 Why: from 3 rows the FP8 method quantizes x per token and calls torch._scaled_mm (cuBLASLt), which on the H200
 takes one 128 x 128 tile at every M: a 4096-column output gets 32 blocks for 132 SMs, and o / down run slower
 than bf16 cuBLAS at 4-256 rows (docs/perf-notes.md section 32). vLLM's CUTLASS FP8 GEMM picks its tile by M.
-This kernel runs the same math -- e4m3 activations with per-token scales against e4m3 weights with per-channel
-scales, float32 accumulation in tl.dot (wgmma's FP8 mode on sm_90), both scales applied in the epilogue --
-over a grid of (SWAP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages). SWAP 1 computes y^T = W @ x^T so few
+The kernel of plugins/quantization/fp8/gemm.py runs the same math -- e4m3 activations with per-token scales
+against e4m3 weights with per-channel scales, float32 accumulation in tl.dot (wgmma's FP8 mode on sm_90),
+both scales applied in the epilogue -- and the probe times it over a grid of (SWAP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages). SWAP 1 computes y^T = W @ x^T so few
 rows fill the small side of the tile (the swap-AB of CUTLASS's small-M configs). Each time includes the
 method's per-token quantization of x (one launch, fp8/kernel.py), as the route's does. Per (linear, M): bf16
 cuBLAS, the route (quantization + _scaled_mm), the probe's best point and its error against a float32
-product of the same quantized operands. A measurement script, not an engine path: the method is unchanged.
+product of the same quantized operands. The method's rule (fp8/gemm.py NOTE 1, 2) came from this grid.
 """
 
 from __future__ import annotations
@@ -31,68 +31,25 @@ if "--dry-run" in sys.argv:  # before triton is imported anywhere
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fp8_gemm_check import LINEARS, quantized  # noqa: E402
+from w4_gemm_probe import staged_sweep  # noqa: E402
 from w4_gemv_sweep import Timer, err_of  # noqa: E402
 
 ROWS = (4, 8, 16, 32, 64, 128, 256, 512)
 BUDGET_S = 230.0  # the grid stops taking new points here; the summary follows
 
 
-@triton.jit
-def _w8a8_kernel(xq_ptr, a_ptr, w_ptr, b_ptr, y_ptr, M, N, K, K_PER_SPLIT,
-                 SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_begin = pid_k * K_PER_SPLIT
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if SWAP:
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :])  # [BN, BK]
-            x = tl.load(xq_ptr + offs_m[None, :] * K + offs_k[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM]
-            acc += tl.dot(w, x)
-        else:
-            x = tl.load(xq_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
-            w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None])  # [BK, BN]
-            acc += tl.dot(x, w)
-    a = tl.load(a_ptr + offs_m, mask=m_ok, other=0.0)
-    b = tl.load(b_ptr + offs_n)
-    if SWAP:
-        acc = acc * b[:, None] * a[None, :]
-        out = y_ptr + offs_m[None, :] * N + offs_n[:, None]
-        ok = m_ok[None, :]
-    else:
-        acc = acc * a[:, None] * b[None, :]
-        out = y_ptr + offs_m[:, None] * N + offs_n[None, :]
-        ok = m_ok[:, None]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.atomic_add(out, acc, mask=ok)
-
-
-Config = tuple[int, int, int, int, int, int, int]  # SWAP, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages
+Config = tuple[int, int, int, int, int, int, int]  # Fp8GemmBlocks' order: SWAP, BM, BN, BK, SPLIT_K, warps, stages
 
 
 def probe(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, cfg: Config, quant: Callable[..., Any]) -> torch.Tensor:
-    swap, bm, bn, bk, split, warps, stages = cfg
-    m, k = x.shape
-    n = wq.shape[0]
+    """The method's quantization of x, then fp8/gemm.py's kernel at the point `cfg`."""
+    from pagedllm.plugins.quantization.fp8.gemm import Fp8GemmBlocks, fp8_gemm
+
     xq, a = quant(x)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype) if split == 1 else torch.zeros(m, n, device=x.device)
-    grid = (triton.cdiv(m, bm), n // bn, split)
-    _w8a8_kernel[grid](xq, a, wq, ws, y, m, n, k, k // split, SWAP=swap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       SPLIT_K=split, num_warps=warps, num_stages=stages)
-    return y if split == 1 else y.to(x.dtype)
+    return fp8_gemm(xq, a, wq, ws, x.dtype, blocks=Fp8GemmBlocks(*cfg))
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); BLOCK_M is the rows' side of the tile either way
@@ -172,25 +129,9 @@ def main() -> int:
     linears = {"tiny": (256, 512)} if dry else LINEARS
     rows = (16, 64) if dry else tuple(int(r) for r in args.rows.split(","))
     t_start = time.monotonic()
-    points: list[dict[str, Any]] = []
-    # Stage 1: the whole grid at STAGE1_ROWS; then every other row count tries the KEEP configs that did best
-    # (summed time over the linears, each relative to its best) at the nearer of them.
     stage1 = [m for m in STAGE1_ROWS if m in rows] if not dry else list(rows)
-    ranked: dict[int, list[Config]] = {}
-    for m in stage1 + [r for r in rows if r not in stage1]:
-        rep = min(ranked, key=lambda r: abs(r - m) / r, default=None) if m not in stage1 else None
-        per_cfg: dict[Config, tuple[int, float]] = {}  # (linears timed, summed time relative to each best)
-        for name, (n, k) in linears.items():
-            row, times = point(timer, name, n, k, m, device, dry,
-                               configs(m, n, k, dry, ranked[rep] if rep is not None else None), t_start)
-            best_us = min(times.values(), default=0.0)
-            for cfg, us in times.items():
-                seen, total = per_cfg.get(cfg, (0, 0.0))
-                per_cfg[cfg] = (seen + 1, total + us / best_us)
-            print(json.dumps(row), flush=True)
-            points.append(row)
-        if m in stage1:
-            ranked[m] = sorted(per_cfg, key=lambda c: (-per_cfg[c][0], per_cfg[c][1]))[:KEEP]
+    points = staged_sweep(rows, stage1, linears, lambda name, n, k, m, among: point(
+        timer, name, n, k, m, device, dry, configs(m, n, k, dry, among), t_start))
     with open(args.out, "w") as f:
         json.dump({"rows": points, "device": "cpu" if dry else torch.cuda.get_device_name(),
                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)

@@ -211,6 +211,32 @@ def point(timer: Timer, name: str, n: int, k: int, m: int, device: str, dtype: t
     return row, times
 
 
+Measure = Callable[[str, int, int, int, "list[Any] | None"], "tuple[dict[str, Any], dict[Any, float]]"]
+
+
+def staged_sweep(rows: tuple[int, ...], stage1: list[int], linears: dict[str, tuple[int, int]],
+                 measure: Measure) -> list[dict[str, Any]]:
+    """Stage 1: the whole grid (`measure(name, n, k, m, None)`) at the `stage1` rows; then every other row count
+    tries the KEEP configs that did best (summed time over the linears, each relative to its best) at the
+    nearer of them. Prints and returns each (linear, M)'s row."""
+    points: list[dict[str, Any]] = []
+    ranked: dict[int, list[Any]] = {}
+    for m in stage1 + [r for r in rows if r not in stage1]:
+        rep = min(ranked, key=lambda r: abs(r - m) / min(r, m), default=None) if m not in stage1 else None
+        per_cfg: dict[Any, tuple[int, float]] = {}  # (linears timed, summed time relative to each best)
+        for name, (n, k) in linears.items():
+            row, times = measure(name, n, k, m, ranked[rep] if rep is not None else None)
+            best_us = min(times.values(), default=0.0)
+            for cfg, us in times.items():
+                seen, total = per_cfg.get(cfg, (0, 0.0))
+                per_cfg[cfg] = (seen + 1, total + us / best_us)
+            print(json.dumps(row), flush=True)
+            points.append(row)
+        if m in stage1:
+            ranked[m] = sorted(per_cfg, key=lambda c: (-per_cfg[c][0], per_cfg[c][1]))[:KEEP]
+    return points
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -227,29 +253,12 @@ def main() -> int:
     linears = {"tiny": (256, 256)} if dry else SHAPES_8B
     rows = (16, 64) if dry else tuple(int(r) for r in args.rows.split(","))
     t_start = time.monotonic()
-    points: list[dict[str, Any]] = []
-    # Stage 1: the whole grid at STAGE1_ROWS; then every other row count tries the KEEP configs that did best
-    # (summed time over the linears, each relative to its best) at the nearer of them.
     if args.tiles:
         TILES[:] = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]  # type: ignore[misc]
     stage1_rows = tuple(int(r) for r in args.stage1_rows.split(","))
     stage1 = [m for m in stage1_rows if m in rows] if not dry else list(rows)
-    ranked: dict[int, list[Config]] = {}
-    for m in stage1 + [r for r in rows if r not in stage1]:
-        rep = min(ranked, key=lambda r: abs(r - m) / min(r, m), default=None) if m not in stage1 else None
-        per_cfg: dict[Config, tuple[int, float]] = {}  # (linears timed, summed time relative to each best)
-        for name, (n, k) in linears.items():
-            row, times = point(timer, name, n, k, m, device, dtype, dry,
-                               configs(m, n, k, dry, ranked[rep] if rep is not None else None), t_start,
-                               args.budget_s)
-            best_us = min(times.values(), default=0.0)
-            for cfg, us in times.items():
-                seen, total = per_cfg.get(cfg, (0, 0.0))
-                per_cfg[cfg] = (seen + 1, total + us / best_us)
-            print(json.dumps(row), flush=True)
-            points.append(row)
-        if m in stage1:
-            ranked[m] = sorted(per_cfg, key=lambda c: (-per_cfg[c][0], per_cfg[c][1]))[:KEEP]
+    points = staged_sweep(rows, stage1, linears, lambda name, n, k, m, among: point(
+        timer, name, n, k, m, device, dtype, dry, configs(m, n, k, dry, among), t_start, args.budget_s))
     with open(args.out, "w") as f:
         json.dump({"rows": points, "device": "cpu" if dry else torch.cuda.get_device_name(),
                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.api.kernels import sm_count
+
 FP8_GEMM_MAX_M = 128  # NOTE 2
 
 
@@ -106,12 +108,11 @@ def fp8_gemm_blocks(m: int, n: int, k: int, sms: int) -> Fp8GemmBlocks:
 def fp8_gemm(x_q: torch.Tensor, a: torch.Tensor, w_q: torch.Tensor, row_scale: torch.Tensor, out_dtype: torch.dtype,
              blocks: Fp8GemmBlocks | None = None) -> torch.Tensor:
     """y [M, N] = (x_q @ w_q^T) * a * row_scale in `out_dtype`; x_q [M, K] and w_q [N, K] e4m3, a [M] or [M, 1]
-    and row_scale [N] float32. `blocks` overrides fp8_gemm_blocks (tuning runs)."""
+    and row_scale [N] float32, on the tile `blocks` (default: fp8_gemm_blocks for this device)."""
     m, k = x_q.shape
     n = w_q.shape[0]
     if blocks is None:
-        sms = torch.cuda.get_device_properties(x_q.device).multi_processor_count if x_q.is_cuda else 132
-        blocks = fp8_gemm_blocks(m, n, k, sms)
+        blocks = fp8_gemm_blocks(m, n, k, sm_count(x_q.device.index) if x_q.is_cuda else 132)
     swap, bm, bn, bk, split, warps, stages = blocks
     if split == 1:
         y = torch.empty(m, n, device=x_q.device, dtype=out_dtype)

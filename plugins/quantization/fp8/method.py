@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.api.kernels import gemv_blocks
+from pagedllm.api.kernels import gemv_blocks, sm_count
 from pagedllm.api.model import WeightLoadError, set_weight_attrs
 
 logger = logging.getLogger("pagedllm")
@@ -39,11 +39,10 @@ _TRITON_GEMM = os.environ.get("PAGEDLLM_FP8_TRITON_GEMM", "1") != "0"
 
 
 @functools.cache
-def _triton_gemm_sms(device: torch.device) -> int:
+def _triton_gemm_sms(index: int) -> int:
     """The SM count fp8/gemm.py's rule sizes its grid by, or 0 where it does not run: only sm_90+ was measured
     (wgmma's FP8 mode); Ada's FP8 products stay on torch._scaled_mm."""
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count if _TRITON_GEMM and props.major >= 9 else 0
+    return sm_count(index) if _TRITON_GEMM and torch.cuda.get_device_capability(index)[0] >= 9 else 0
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -187,11 +186,11 @@ class Fp8LinearMethod:
         static = cast(torch.Tensor | None, getattr(layer, "fp8_input_scale", None))
         x_q, a = quantize_activations(flat, static)
         m, (n, k) = flat.shape[0], weight.shape
-        from pagedllm.plugins.quantization.fp8.gemm import fp8_gemm, use_fp8_gemm
+        from pagedllm.plugins.quantization.fp8.gemm import fp8_gemm, fp8_gemm_blocks, use_fp8_gemm
 
-        sms = _triton_gemm_sms(x.device)
+        sms = _triton_gemm_sms(x.device.index)
         if sms and use_fp8_gemm(m, n, k, sms):
-            y = fp8_gemm(x_q, a, weight, row_scale, x.dtype)
+            y = fp8_gemm(x_q, a, weight, row_scale, x.dtype, fp8_gemm_blocks(m, n, k, sms))
         else:
             # Row-wise scales need a bfloat16 output (cuBLASLt); the model dtype is restored after.
             y = torch._scaled_mm(x_q, weight.t(), scale_a=a, scale_b=row_scale.unsqueeze(0), out_dtype=torch.bfloat16)

@@ -38,12 +38,11 @@ above): its scratch is the most expensive to write (235 MB at 8B). On the H200 (
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.api.kernels import sm_count
 from pagedllm.plugins.quantization.w4a16.dequant import DEQUANT_MIN_M, w4a16_dequant_matmul
 from pagedllm.plugins.quantization.w4a16.gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
@@ -211,7 +210,7 @@ def w4a16_matmul(
     """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the GEMM
     between (NOTE 5)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    route = w4a16_route(layout, m, g_idx, n, _sm_count(x.device) if x.is_cuda else _SMS)
+    route = w4a16_route(layout, m, g_idx, n, sm_count(x.device.index) if x.is_cuda else _SMS)
     if route == "gemv":
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
     if route == "mma_rows":
@@ -241,7 +240,3 @@ def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None,
         return "gemm"  # NOTE 6
     return "dequant" if m >= DEQUANT_MIN_M else "gemm"
 
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
