@@ -147,11 +147,16 @@ class _LaunchConfig(ctypes.Structure):
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_SHARED_OPT_IN: dict[int, int] = {}  # CUfunction -> the dynamic shared memory it was allowed
+
+
 def launch(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Any],
-           pdl: bool = False) -> None:
+           pdl: bool = False, shared_mem: int = 0) -> None:
     """kernel(args) on the current stream; `pdl` launches it with programmatic stream serialization, so it may
     start before the kernel ahead of it ends (it must execute griddepcontrol.wait before reading that
-    kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints."""
+    kernel's output: core/layers/pdl.py). Tensors pass as device pointers, ints as C ints. `shared_mem`: bytes
+    of dynamic shared memory (above 48 KiB the function is opted in once, as the driver requires)."""
     import torch
     from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
 
@@ -161,11 +166,14 @@ def launch(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
     c_args = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
     stream = torch.cuda.current_stream()
     lib = _get_gpu_runtime_library()
+    if shared_mem > 48 * 1024 and _SHARED_OPT_IN.get(kernel.func.value or 0, 0) < shared_mem:
+        _check_cuda(lib.cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(shared_mem)))
+        _SHARED_OPT_IN[kernel.func.value or 0] = shared_mem
     if not pdl:
-        _check_cuda(lib.cuLaunchKernel(kernel.func, *grid, *block, 0, stream._as_parameter_, c_args, None))
+        _check_cuda(lib.cuLaunchKernel(kernel.func, *grid, *block, shared_mem, stream._as_parameter_, c_args, None))
         return
     attr = _Attr()
     attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.flag = 1
-    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
+    config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream.cuda_stream), ctypes.pointer(attr), 1)
     _check_cuda(lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, c_args, None))
