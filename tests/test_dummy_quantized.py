@@ -152,23 +152,30 @@ def test_dummy_awq_tp_shards_are_slices_of_the_tp1_weights(tmp_path: Path) -> No
 
 def test_w4a16_routes_decode_to_the_gemv_and_large_batches_to_cublas() -> None:
     """w4a16_matmul's choice by rows for the bench's formats (GPTQ group 128, AWQ repacked to the GPTQ order):
-    the GEMV up to 8 rows, the tensor-core GEMV in 8-row slices to 16 (where it runs; else the GEMM), the
-    in-register GEMM to 63 (a wide layer's to 128), dequantize + cuBLAS from 64; act-order kept unsorted never takes the GEMV. In a child process: triton is imported by the route's module (see
+    the GEMV up to 8 rows, the tensor-core GEMV in 8-row slices to 16, the tensor-core GEMM to 64 (to 128 on a
+    layer of >= 2^25 weights; kernel.py NOTE 7), dequantize + cuBLAS from there; act-order kept unsorted never
+    takes the GEMV or the tensor-core kernels. In a child process: triton is imported by the route's module (see
     test_quant_w4a16_dequant.py for why the parent process keeps it unimported)."""
     code = (
         "import json, torch\n"
         "from pagedllm.plugins.quantization.w4a16.kernel import w4a16_route\n"
         "from pagedllm.plugins.quantization.w4a16.layout import PackedLayout\n"
         "lay = PackedLayout('gptq', 4, 128, 1)\n"
-        "ms = [1, 2, 4, 8, 9, 16, 17, 64, 127, 128, 512, 16384]\n"
+        "ms = [1, 2, 4, 8, 9, 16, 17, 64, 65, 127, 128, 512, 16384]\n"
         "g = torch.zeros(4096, dtype=torch.int32)\n"
-        "wide = [w4a16_route(lay, m, None, n, 132) for m, n in ((64, 28672), (128, 28672), (129, 28672), (64, 6144))]\n"
+        "shaped = [w4a16_route(lay, m, None, n, 132, k) for m, n, k in\n"
+        "          ((128, 28672, 4096), (129, 28672, 4096), (128, 4096, 14336), (128, 6144, 4096), (96, 4096, 4096))]\n"
+        "wide = [w4a16_route(lay, m, None, n, 132) for m, n in ((128, 28672), (129, 28672), (96, 6144))]\n"
         "print(json.dumps({'plain': [w4a16_route(lay, m) for m in ms], 'act_order': w4a16_route(lay, 1, g),\n"
-        "                  'wide': wide, 'wide_act_order': w4a16_route(lay, 64, g, 28672, 132)}))\n"
+        "                  'shaped': shaped, 'wide': wide, 'wide_act_order': w4a16_route(lay, 64, g, 28672, 132),\n"
+        "                  'awq_order': w4a16_route(PackedLayout('awq', 4, 128), 64)}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     routes = json.loads(out.stdout.strip().splitlines()[-1])
-    assert routes["plain"] == ["gemv"] * 4 + ["mma_rows"] * 2 + ["gemm"] + ["dequant"] * 5
-    assert routes["act_order"] == "gemm"
-    # kernel.py NOTE 6: a layer of >= 128 x SMs columns keeps the GEMM to 128 rows; act-order never does
-    assert routes["wide"] == ["gemm", "gemm", "dequant", "dequant"] and routes["wide_act_order"] == "dequant"
+    assert routes["plain"] == ["gemv"] * 4 + ["mma_rows"] * 2 + ["mma_gemm"] * 2 + ["dequant"] * 5
+    assert routes["act_order"] == "gemm" and routes["awq_order"] == "dequant"
+    # NOTE 7: the tensor-core GEMM to 128 rows on gate_up / down of an 8B layer, not on qkv / o
+    assert routes["shaped"] == ["mma_gemm", "dequant", "mma_gemm", "dequant", "dequant"]
+    # NOTE 6 past the tensor-core GEMM's rows (or where it does not run): a layer of >= 128 x SMs columns keeps
+    # the Triton GEMM to 128 rows; act-order never does
+    assert routes["wide"] == ["gemm", "dequant", "dequant"] and routes["wide_act_order"] == "dequant"

@@ -142,7 +142,9 @@ def speed(out: dict[str, Any], rows: tuple[int, ...], budget_s: float, t0: float
                 row["grid_top5"] = sorted(grid.items(), key=lambda kv: kv[1])[:5]
             row["route_over_gemm"] = round(row["route_us"] / row["gemm_us"], 3)
             row["bf16_over_gemm"] = round(row["bf16_us"] / row["gemm_us"], 3)
-            print(json.dumps(row), flush=True)
+            print(f"{name} m={m} route {row['route']} {row['route_us']} dequant {row['dequant_us']} bf16 "
+                  f"{row['bf16_us']} gemm {row['default_tiles']} {row['gemm_us']} best {row.get('grid_best')} "
+                  f"{row.get('grid_best_us')}", flush=True)  # the whole row is in --out
             out["speed"].append(row)
         del w, bf16
 

@@ -34,6 +34,13 @@ GEMM up to WIDE_GEMM_MAX_M rows with a larger tile (64 x 128 x 128 at 64 rows, 1
 above): its scratch is the most expensive to write (235 MB at 8B). On the H200 (2026-12-03) its product took
 113 / 137 / 146 us at 64 / 96 / 128 rows against dequantize + cuBLAS's 142 / 142 / 187, and lost at 256
 (the probe's best 186 against 171).
+NOTE 7 (the tensor-core GEMM, w4a16/mma_gemm.py): 4-bit GPTQ order without act-order from MMA_ROWS_MAX_M + 1
+to MMA_GEMM_MAX_M rows, and to MMA_GEMM_LARGE_MAX_M on a layer of at least 2^25 weights, where the scratch of
+dequantize + cuBLAS costs most against the GEMM's work. On the H200 (2026-12-03, 8B layers; examples/gpu/
+w4_mma_gemm_check.py) it took 24 / 20 / 59 / 40 us for qkv / o / gate_up / down at 64 rows against the old
+route's 30 / 20 / 113 / 77, and 105 / 67 against 138 / 79 for gate_up / down at 128 rows (qkv and o there: 35 /
+27 against 34 / 24); from 256 rows its mma.sync rate (~300 TFLOP/s against cuBLAS's wgmma at ~680) loses to
+dequantize + cuBLAS on every layer.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ from pagedllm.plugins.quantization.w4a16.gemv import gemv_reason, w4a16_gemv
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
 
 MMA_ROWS_MAX_M = 16  # up to here 4-bit products take the tensor-core GEMV in 8-row slices (NOTE 5)
+MMA_GEMM_MAX_M = 64  # up to here the rest take the tensor-core GEMM (NOTE 7) ...
+MMA_GEMM_LARGE_MAX_M = 128  # ... and up to here those of a layer of at least MMA_GEMM_LARGE_WEIGHTS weights
+MMA_GEMM_LARGE_WEIGHTS = 1 << 25
 WIDE_GEMM_MAX_M = 128  # up to here a wide layer's products stay on this GEMM (NOTE 6)
 _SMS = 132  # an H100 / H200, where no device is at hand (route tables printed on the CPU)
 
@@ -207,10 +217,18 @@ def w4a16_matmul(
     g_idx: torch.Tensor | None,
     n: int,
 ) -> torch.Tensor:
-    """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the GEMM
-    between (NOTE 5)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    route = w4a16_route(layout, m, g_idx, n, sm_count(x.device.index) if x.is_cuda else _SMS)
+    """y = x @ dequantize(...): the GEMV for decode-sized inputs, dequantize + cuBLAS for large ones, the
+    tensor-core GEMM or the Triton GEMM between (NOTE 5, 7)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    sms = sm_count(x.device.index) if x.is_cuda else _SMS
+    route = w4a16_route(layout, m, g_idx, n, sms, k)
+    if route == "mma_gemm":
+        from pagedllm.plugins.quantization.w4a16 import mma_gemm as mma_gemm
+
+        if x.is_cuda and mma_gemm.usable(layout, x, scales, qweight, n):
+            return mma_gemm.w4a16_mma_gemm(x, layout, qweight, qzeros, scales, n)
+        route = _triton_or_dequant(layout, m, g_idx, n, sms)
     if route == "gemv":
         return w4a16_gemv(x, layout, qweight, qzeros, scales, n)
     if route == "mma_rows":
@@ -224,19 +242,27 @@ def w4a16_matmul(
     return w4a16_gemm(x, layout, qweight, qzeros, scales, g_idx, n)
 
 
-def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None, n: int = 0, sms: int = _SMS) -> str:
-    """Which kernel w4a16_matmul runs for `m` rows of an `n`-column layer on `sms` SMs (NOTE 5, 6): "gemv",
-    "mma_rows" (the tensor-core GEMV on 8-row slices where it runs, else the GEMM), "gemm" or "dequant"
-    (+ cuBLAS).
+def w4a16_route(layout: PackedLayout, m: int, g_idx: torch.Tensor | None = None, n: int = 0, sms: int = _SMS,
+                k: int = 0) -> str:
+    """Which kernel w4a16_matmul runs for `m` rows of an [n, k] layer on `sms` SMs (NOTE 5, 6, 7): "gemv",
+    "mma_rows" (the tensor-core GEMV on 8-row slices where it runs, else the GEMM), "mma_gemm" (the
+    tensor-core GEMM where it runs, else the next route below), "gemm" or "dequant" (+ cuBLAS).
 
-    Each is CUDA-graph safe: launches and caching-allocator tensors of static shapes, no host sync (the GEMV's
-    split-K tickets are allocated at the eager warm-up before capture and reset by the kernel itself)."""
+    Each is CUDA-graph safe: launches and caching-allocator tensors of static shapes, no host sync (the split-K
+    tickets are allocated at the eager warm-up before capture and reset by the kernels themselves)."""
     if m > 0 and gemv_reason(layout, m, g_idx) is None:
         return "gemv"
-    if m <= MMA_ROWS_MAX_M and g_idx is None and layout.kind == "gptq" and layout.bits == 4:
+    four_bit_gptq = g_idx is None and layout.kind == "gptq" and layout.bits == 4
+    if m <= MMA_ROWS_MAX_M and four_bit_gptq:
         return "mma_rows"
+    if four_bit_gptq and (m <= MMA_GEMM_MAX_M or (m <= MMA_GEMM_LARGE_MAX_M and n * k >= MMA_GEMM_LARGE_WEIGHTS)):
+        return "mma_gemm"  # NOTE 7
+    return _triton_or_dequant(layout, m, g_idx, n, sms)
+
+
+def _triton_or_dequant(layout: PackedLayout, m: int, g_idx: torch.Tensor | None, n: int, sms: int) -> str:
+    """The route without the tensor-core GEMM (NOTE 5, 6): where it does not run, or past its rows."""
     if (m <= WIDE_GEMM_MAX_M and g_idx is None and layout.kind == "gptq" and layout.bits == 4
             and n // 128 >= sms):
         return "gemm"  # NOTE 6
     return "dequant" if m >= DEQUANT_MIN_M else "gemm"
-

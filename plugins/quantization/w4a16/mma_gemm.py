@@ -23,10 +23,12 @@ NOTE 1 (when it runs): CUDA devices of compute capability >= 8.0, 4-bit GPTQ ord
 of 64, 128, ... inputs or one per column (a 64-input k-tile inside one group), N a multiple of 64, K of 64,
 16-bit activations with scales of that dtype, NVRTC found; `gemm_reason` says why not and w4a16_matmul keeps
 its other routes.
-NOTE 2 (tiles): `gemm_tiles` picks the rows per block from M (32, 64 or 128: fewer padded rows), two warps
-along N where N allows, and splits K until the grid fills the SMs about twice (two 4-warp blocks fit an SM:
-at TM = 8 a thread holds 128 accumulators); the sweep of examples/gpu/w4_mma_gemm_check.py measures the
-alternatives. $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
+NOTE 2 (tiles): small blocks won the H200 sweep (examples/gpu/w4_mma_gemm_check.py, 2026-12-03, 8B layers at
+64-2048 rows): two warps (128 columns x 32 or 64 rows), four stages, several blocks resident per SM. A layer of
+at least SMs column blocks (gate_up) takes 64 rows a warp; narrower ones 32, for twice the row blocks. K is
+split by powers of two (<= 8, >= 8 k-tiles a slice) while the grid still fits the blocks the SMs hold at once
+(shared memory bounds them: 4 of 64 rows, 6 of 32). This rule gave the sweep's best split at 64 and 128 rows
+on qkv, o and down. $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
 """
 
 from __future__ import annotations
@@ -93,15 +95,20 @@ def gemm_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwe
     return None
 
 
+_SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for blocks
+
+
 def gemm_tiles(m: int, n: int, k: int, sms: int = _SMS) -> GemmTiles:
-    """NOTE 2: the block's rows from M, two warps along N where N allows, K split until ~2 blocks per SM."""
-    wm, tm = (1, 4) if m <= 32 else (1, 8) if m <= 64 else (2, 8)
+    """NOTE 2: two warps a block (one along M); 64 rows a warp on a layer of at least SMs column blocks, else 32
+    (more row blocks); K split by powers of two while the grid still fits the SMs' resident blocks."""
     wn = 2 if n % 128 == 0 else 1
-    tiles = GemmTiles(wn, wm, tm, 4, 1)
+    tm = 8 if n // (64 * wn) >= sms else 4
+    tiles = GemmTiles(wn, 1, tm, 4, 1)
     blocks = -(-m // tiles.block_m) * (n // tiles.block_n)
+    slots = sms * min(8, _SHARED_PER_SM // tiles.shared_bytes)
     k_tiles = k // K_TILE
     split = 1
-    while split < 8 and blocks * split < 2 * sms and k_tiles // (2 * split) >= 8:
+    while split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 8:
         split *= 2
     return tiles._replace(split=split, **_env_knobs())
 

@@ -280,19 +280,31 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
     if (threadIdx.x == 0) last = atomicAdd(tickets + tile, 1u) == (u32)(splits - 1);
     __syncthreads();
     if (!last) return;
-    for (int idx = threadIdx.x; idx < BM * (BN / 4); idx += THREADS) {
-        const int r = idx / (BN / 4), c = 4 * (idx % (BN / 4));
-        const int row = m0 + r;
-        if (row >= M) continue;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s = 0; s < splits; ++s) {
-            const float4 p = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)s * M + row) * N + n0 + c));
-            v.x += p.x;
-            v.y += p.y;
-            v.z += p.z;
-            v.w += p.w;
+    // The thread's 4 TM float4 of the tile summed split by split: 4 TM independent loads in flight per split
+    // (a loop over outputs with the splits inside would wait on each load in turn).
+    constexpr int PER = BM * (BN / 4) / THREADS;
+    float4 v[PER];
+#pragma unroll
+    for (int p = 0; p < PER; ++p) v[p] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < splits; ++s) {
+#pragma unroll
+        for (int p = 0; p < PER; ++p) {
+            const int idx = threadIdx.x + p * THREADS, row = m0 + idx / (BN / 4);
+            if (row >= M) continue;
+            const float4 q = __ldcg(reinterpret_cast<const float4*>(part + ((size_t)s * M + row) * N + n0 +
+                                                                     4 * (idx % (BN / 4))));
+            v[p].x += q.x;
+            v[p].y += q.y;
+            v[p].z += q.z;
+            v[p].w += q.w;
         }
-        *reinterpret_cast<uint2*>(y + (size_t)row * N + n0 + c) = make_uint2(pack2(v.x, v.y), pack2(v.z, v.w));
+    }
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+        const int idx = threadIdx.x + p * THREADS, row = m0 + idx / (BN / 4);
+        if (row < M)
+            *reinterpret_cast<uint2*>(y + (size_t)row * N + n0 + 4 * (idx % (BN / 4))) =
+                make_uint2(pack2(v[p].x, v[p].y), pack2(v[p].z, v[p].w));
     }
     if (threadIdx.x == 0) tickets[tile] = 0;
 }
