@@ -77,7 +77,8 @@ def test_shared_memory_and_tile_rule() -> None:
     # gate_up (224 column blocks >= 132 SMs) 64 rows a warp
     assert rule[(64, 6144, 4096)] == rule[(64, 4096, 4096)] == rule[(64, 4096, 14336)] == (2, 1, 4, 4, 8)
     assert rule[(128, 6144, 4096)] == rule[(128, 4096, 4096)] == rule[(128, 4096, 14336)] == (2, 1, 4, 4, 4)
-    assert rule[(128, 28672, 4096)] == (2, 1, 8, 4, 1)
+    assert rule[(128, 28672, 4096)] == rule[(64, 28672, 4096)] == (2, 1, 8, 4, 1)
+    assert mma_gemm.gemm_tiles(32, 28672, 4096, 132).tm == 4  # a 64-row tile would be half padding
     # a narrow layer (N not a multiple of 128) takes one warp along N; a short K is not split below 8 k-tiles
     assert mma_gemm.gemm_tiles(64, 192, 512, 132) == (1, 1, 4, 4, 1)
     # fewer SMs: fewer blocks fit at once, so less splitting

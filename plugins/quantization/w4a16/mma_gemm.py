@@ -24,11 +24,12 @@ of 64, 128, ... inputs or one per column (a 64-input k-tile inside one group), N
 16-bit activations with scales of that dtype, NVRTC found; `gemm_reason` says why not and w4a16_matmul keeps
 its other routes.
 NOTE 2 (tiles): small blocks won the H200 sweep (examples/gpu/w4_mma_gemm_check.py, 2026-12-03, 8B layers at
-64-2048 rows): two warps (128 columns x 32 or 64 rows), four stages, several blocks resident per SM. A layer of
-at least SMs column blocks (gate_up) takes 64 rows a warp; narrower ones 32, for twice the row blocks. K is
-split by powers of two (<= 8, >= 8 k-tiles a slice) while the grid still fits the blocks the SMs hold at once
-(shared memory bounds them: 4 of 64 rows, 6 of 32). This rule gave the sweep's best split at 64 and 128 rows
-on qkv, o and down. $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
+16-2048 rows): two warps (128 columns x 32 or 64 rows), four stages, several blocks resident per SM. A layer of
+at least SMs column blocks (gate_up) takes 64 rows a warp past 32 rows (at 32 rows a 64-row tile is half
+padding: 62.6 against 39.0 us) and no split (64 rows: 58.6 us unsplit, 65.8 split in two); narrower ones 32
+rows, for twice the row blocks, with K split by powers of two (<= 8, >= 8 k-tiles a slice) while the grid
+still fits the blocks the SMs hold at once (shared memory bounds them: 6 of 32 rows). On every 8B layer at
+16-128 rows this rule's tiles came within 17 % of the sweep's best (o at 48-64 rows: split 8 where 4 won). $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ _SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for blocks
 
 
 def gemm_tiles(m: int, n: int, k: int, sms: int = _SMS) -> GemmTiles:
-    """NOTE 2: two warps a block (one along M); 64 rows a warp on a layer of at least SMs column blocks, else 32
-    (more row blocks); K split by powers of two while the grid still fits the SMs' resident blocks."""
+    """NOTE 2: two warps a block (one along M); 64 rows a warp past 32 rows on a layer of at least SMs column
+    blocks, else 32 (more row blocks), split by powers of two while the grid still fits the resident blocks."""
     wn = 2 if n % 128 == 0 else 1
-    tm = 8 if n // (64 * wn) >= sms else 4
+    tm = 8 if m > 32 and n // (64 * wn) >= sms else 4
     tiles = GemmTiles(wn, 1, tm, 4, 1)
     blocks = -(-m // tiles.block_m) * (n // tiles.block_n)
     slots = sms * min(8, _SHARED_PER_SM // tiles.shared_bytes)
     k_tiles = k // K_TILE
     split = 1
-    while split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 8:
+    while tm == 4 and split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 8:
         split *= 2
     return tiles._replace(split=split, **_env_knobs())
 
