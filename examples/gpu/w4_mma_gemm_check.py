@@ -79,9 +79,14 @@ def checks(out: dict[str, Any]) -> list[dict[str, Any]]:
                 cases.append(((192, 512), m, dt, grp, zo, None))
     for tiles in TILES:
         for split in (1, 2, 3, 8):
-            for m in (5, 77, 300):
-                n = 320 if tiles[0] == 1 else 384
-                cases.append(((n, 1024), m, torch.bfloat16, 128, 1, (*tiles, split)))
+            for zfold in (0, 1) if tiles[2] == 4 else (0,):
+                for m in (5, 77, 300):
+                    n = 320 if tiles[0] == 1 else 384
+                    cases.append(((n, 1024), m, torch.bfloat16, 128, 1, (*tiles, split, zfold)))
+    for m in (33, 200):  # ZFOLD with both dtypes, groups and zero offsets
+        for dt in (torch.bfloat16, torch.float16):
+            for grp, zo in ((128, 1), (64, 0), (-1, 1)):
+                cases.append(((192, 512), m, dt, grp, zo, (1, 1, 4, 4, 2, 1)))
     cases += [(shape, m, torch.bfloat16, 128, 1, None) for shape in SHAPES_8B.values() for m in (64, 256)]
     bad = []
     for (n, k), m, dtype, grp, zo, tiles in cases:
@@ -124,11 +129,13 @@ def speed(out: dict[str, Any], rows: tuple[int, ...], budget_s: float, t0: float
                 [functools.partial(w4a16_mma_gemm, x, lay, *st, n, default) for st in w["sets"]]), 2)
             row["gemm_err"] = err_of(w4a16_mma_gemm(x, lay, *w["sets"][0], n, default), ref)
             grid: dict[str, float] = {}
-            for tiles, split in itertools.product(TILES, SPLITS):
+            for tiles, split, zfold in itertools.product(TILES, SPLITS, (0, 1)):
+                if zfold and tiles[2] != 4:
+                    continue
                 if time.monotonic() - t0 > budget_s:
                     row["cut_by_budget"] = True
                     break
-                t = GemmTiles(*tiles, split)
+                t = GemmTiles(*tiles, split, zfold)
                 if n % t.block_n or (split > 1 and k // 64 < 2 * split) or t.block_m > 2 * max(m, 32):
                     continue
                 try:

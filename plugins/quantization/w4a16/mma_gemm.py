@@ -56,6 +56,7 @@ class GemmTiles(NamedTuple):
     tm: int  # 8-row activation tiles per warp (4 or 8): 8 tm wm rows a block
     stages: int  # k-tiles in flight
     split: int  # slices of K (NOTE 2)
+    zfold: int = 0  # 1: zero point and scale on the float32 sums per group (w4a16_mma_gemm.cu NOTE 5; tm 4 only)
 
     @property
     def block_m(self) -> int:
@@ -111,7 +112,8 @@ def gemm_tiles(m: int, n: int, k: int, sms: int = _SMS) -> GemmTiles:
     split = 1
     while tm == 4 and split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 8:
         split *= 2
-    return tiles._replace(split=split, **_env_knobs())
+    knobs = _env_knobs()
+    return tiles._replace(split=split, **{f: v for f, v in knobs.items() if f != "zfold" or knobs.get("tm", tm) == 4})
 
 
 @functools.cache
@@ -127,7 +129,7 @@ def _env_knobs() -> dict[str, int]:
 
 def _defines(dtype: torch.dtype, tiles: GemmTiles, group_iters: int) -> tuple[tuple[str, int], ...]:
     return (("FP16", int(dtype == torch.float16)), ("GI", group_iters), ("STAGES", tiles.stages),
-            ("TM", tiles.tm), ("WM", tiles.wm), ("WN", tiles.wn))
+            ("TM", tiles.tm), ("WM", tiles.wm), ("WN", tiles.wn), ("ZFOLD", tiles.zfold))
 
 
 @functools.cache

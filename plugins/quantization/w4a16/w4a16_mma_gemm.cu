@@ -3,7 +3,7 @@
 //
 //   y[m, n] = sum_k x[m, k] * s[k / G, n] * (q[k, n] - z[k / G, n])
 //
-// Defined by the host: WN, WM (warps along the output columns and along the activation rows), TM (8-row
+// Defined by the host: ZFOLD (NOTE 5), WN, WM (warps along the output columns and along the activation rows), TM (8-row
 // activation tiles per warp), STAGES (64-input k-tiles in flight), FP16 (1: float16 activations and scales,
 // 0: bfloat16), GI (the group's 32-input iterations; even, so a k-tile lies in one group).
 //
@@ -31,12 +31,23 @@
 // float32 partials [split, M, N] and a ticket: the block that draws the last ticket sums the partials in split
 // order (the same bits every run), writes y and puts the ticket back to 0, so a CUDA graph can replay the
 // launch (the GEMV's scheme, w4a16_mma.cu NOTE 3).
+// NOTE 5 (ZFOLD 1: the zero point and scale after the mma): the fragment keeps 128 + q (one LOP3 a pair
+// instead of a LOP3 and two FMA2s); the mma sums (128 + q) x per group in float32 beside the group's sum of x
+// per activation row (one more mma per activation tile and k-step, A = ones), and the group's end adds
+// s ((sum (128 + q) x) - (128 + z) sum x) = s sum (q - z) x to the totals: the decode GEMV's ZFOLD
+// (w4a16_mma.cu NOTE 2), at the cost of a second set of accumulators (TM = 4 only). The weights are then never
+// rounded to 16 bits, so the last bits differ from dequantize + cuBLAS (closer to the float32 product).
+
+#ifndef ZFOLD
+#define ZFOLD 0
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
 #if FP16
 #define MAGIC2 0x64006400u
+#define BASE 1024.f
 #define NEG_BASE 0xE400u
 #define ONE2 0x3C003C00u
 #define FMA2 "fma.rn.f16x2"
@@ -44,6 +55,7 @@ typedef unsigned short u16;
 #define CVT16 "cvt.rn.f16.f32"
 #else
 #define MAGIC2 0x43004300u
+#define BASE 128.f
 #define NEG_BASE 0xC300u
 #define ONE2 0x3F803F80u
 #define FMA2 "fma.rn.bf16x2"
@@ -95,6 +107,19 @@ __device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
     asm(FMA2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
+
+__device__ __forceinline__ float half_to_float(u32 h) {
+#if FP16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
+    return f;
+#else
+    return __uint_as_float(h << 16);
+#endif
+}
+
+// Nibbles 0 and 4 of `w` as the pair (128 + q, 128 + q') (bf16; fp16 1024 + q): ZFOLD's fragment (NOTE 5).
+__device__ __forceinline__ u32 raw(u32 w) { return and_or(w, 0x000F000Fu, MAGIC2); }
 
 // Nibbles 0 and 4 of `w` dequantized: the pair (s (q - z), s (q' - z)) (NOTE 2).
 __device__ __forceinline__ u32 deq(u32 w, u32 neg_zero, u32 scale) {
@@ -177,6 +202,20 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+#if ZFOLD
+    static_assert(TM <= 4, "ZFOLD keeps two sets of accumulators: TM <= 4");
+    float gacc[TM][4][4], xs[TM][4];  // the group's sums of (128 + q) x, and of x (NOTE 5)
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) xs[i][r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) gacc[i][j][r] = 0.f;
+    }
+    const u32 ones[4] = {ONE2, ONE2, ONE2, ONE2};
+#endif
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -199,6 +238,7 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         const uint2 sb4 = *reinterpret_cast<const uint2*>(Ss + wc + 32 + 4 * g);
         const u32 za8 = Zs[(wc + 4 * g) >> 3], zb8 = Zs[(wc + 32 + 4 * g) >> 3];
         const int zshift = 16 * (g & 1);
+#if !ZFOLD
         u32 s2a[4], s2b[4], nza[4], nzb[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -211,6 +251,7 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
             nza[j] = za | (za << 16);
             nzb[j] = zb | (zb << 16);
         }
+#endif
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // two 32-input iterations: word rows 4h + t
             const int rl = 4 * h + t;
@@ -220,6 +261,16 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const u32 a = word_of(wa, j), b = word_of(wb, j);
+#if ZFOLD
+                af[j][0] = raw(a);
+                af[j][1] = raw(b);
+                af[j][2] = raw(a >> 4);
+                af[j][3] = raw(b >> 4);
+                af[j][4] = raw(a >> 8);
+                af[j][5] = raw(b >> 8);
+                af[j][6] = raw(a >> 12);
+                af[j][7] = raw(b >> 12);
+#else
                 af[j][0] = deq(a, nza[j], s2a[j]);
                 af[j][1] = deq(b, nzb[j], s2b[j]);
                 af[j][2] = deq(a >> 4, nza[j], s2a[j]);
@@ -228,6 +279,7 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
                 af[j][5] = deq(b >> 8, nzb[j], s2b[j]);
                 af[j][6] = deq(a >> 12, nza[j], s2a[j]);
                 af[j][7] = deq(b >> 12, nzb[j], s2b[j]);
+#endif
             }
 #pragma unroll
             for (int i = 0; i < TM; ++i) {
@@ -235,13 +287,44 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
                 const uint4 xv = *reinterpret_cast<const uint4*>(Bs + rr * 128 + ((rl ^ ((rr & 1) << 2)) << 4));
                 const u32 x04 = prmt(xv.x, xv.z, 0x5410u), x15 = prmt(xv.x, xv.z, 0x7632u);
                 const u32 x26 = prmt(xv.y, xv.w, 0x5410u), x37 = prmt(xv.y, xv.w, 0x7632u);
+#if ZFOLD
+                mma(xs[i], ones, x04, x15);
+                mma(xs[i], ones, x26, x37);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mma(gacc[i][j], &af[j][0], x04, x15);
+                    mma(gacc[i][j], &af[j][4], x26, x37);
+                }
+#else
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     mma(acc[i][j], &af[j][0], x04, x15);
                     mma(acc[i][j], &af[j][4], x26, x37);
                 }
+#endif
             }
         }
+#if ZFOLD
+        if ((kt0 + it + 1) % (GI / 2) == 0 || it == ntiles - 1) {  // the group (or the split's share) ends
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float sa = half_to_float(((j < 2 ? sa4.x : sa4.y) >> (16 * (j & 1))) & 0xFFFFu);
+                const float sb = half_to_float(((j < 2 ? sb4.x : sb4.y) >> (16 * (j & 1))) & 0xFFFFu);
+                const float za = BASE + (float)(((za8 >> (zshift + 4 * j)) & 0xFu) + zero_offset);
+                const float zb = BASE + (float)(((zb8 >> (zshift + 4 * j)) & 0xFu) + zero_offset);
+#pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    acc[i][j][0] += sa * (gacc[i][j][0] - za * xs[i][0]);
+                    acc[i][j][1] += sa * (gacc[i][j][1] - za * xs[i][1]);
+                    acc[i][j][2] += sb * (gacc[i][j][2] - zb * xs[i][0]);
+                    acc[i][j][3] += sb * (gacc[i][j][3] - zb * xs[i][1]);
+                    gacc[i][j][0] = gacc[i][j][1] = gacc[i][j][2] = gacc[i][j][3] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < TM; ++i) xs[i][0] = xs[i][1] = xs[i][2] = xs[i][3] = 0.f;
+        }
+#endif
     }
     cp_wait<0>();
 
