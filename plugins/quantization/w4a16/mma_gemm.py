@@ -27,9 +27,12 @@ NOTE 2 (tiles): small blocks won the H200 sweep (examples/gpu/w4_mma_gemm_check.
 16-2048 rows): two warps (128 columns x 32 or 64 rows), four stages, several blocks resident per SM. A layer of
 at least SMs column blocks (gate_up) takes 64 rows a warp past 32 rows (at 32 rows a 64-row tile is half
 padding: 62.6 against 39.0 us) and no split (64 rows: 58.6 us unsplit, 65.8 split in two); narrower ones 32
-rows, for twice the row blocks, with K split by powers of two (<= 8, >= 8 k-tiles a slice) while the grid
-still fits the blocks the SMs hold at once (shared memory bounds them: 6 of 32 rows). On every 8B layer at
-16-128 rows this rule's tiles came within 17 % of the sweep's best (o at 48-64 rows: split 8 where 4 won). $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
+rows, for twice the row blocks, with K split by powers of two (<= 8, >= 16 k-tiles a slice: on K = 4096 split
+4 beat 8 at 32-64 rows, 16.8 against 19.1 us for qkv at 32) while the grid still fits the blocks the SMs hold at
+once (shared memory bounds them: 6 of 32 rows). On every 8B layer at 32-128 rows this rule's tiles came within
+5 % of the third sweep's best, but for gate_up at 64 rows (split 2 there: 65.6 against the rule's 68.9).
+ZFOLD 1 (w4a16_mma_gemm.cu NOTE 5) lost on every layer (5-10 %; W2 at 64 sequences 0.98x): the mma pipe,
+not the issue of the dequantizing instructions, bounds the kernel, and ZFOLD adds a quarter more mma. $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def gemm_tiles(m: int, n: int, k: int, sms: int = _SMS) -> GemmTiles:
     slots = sms * min(8, _SHARED_PER_SM // tiles.shared_bytes)
     k_tiles = k // K_TILE
     split = 1
-    while tm == 4 and split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 8:
+    while tm == 4 and split < 8 and blocks * split * 2 <= slots and k_tiles // (2 * split) >= 16:
         split *= 2
     knobs = _env_knobs()
     return tiles._replace(split=split, **{f: v for f, v in knobs.items() if f != "zfold" or knobs.get("tm", tm) == 4})
