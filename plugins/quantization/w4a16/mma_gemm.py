@@ -32,7 +32,8 @@ rows, for twice the row blocks, with K split by powers of two (<= 8, >= 16 k-til
 once (shared memory bounds them: 6 of 32 rows). On every 8B layer at 32-128 rows this rule's tiles came within
 5 % of the third sweep's best, but for gate_up at 64 rows (split 2 there: 65.6 against the rule's 68.9).
 ZFOLD 1 (w4a16_mma_gemm.cu NOTE 5) lost on every layer (5-10 %; W2 at 64 sequences 0.98x): the mma pipe,
-not the issue of the dequantizing instructions, bounds the kernel, and ZFOLD adds a quarter more mma. $PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split) overrides fields for A/B runs.
+not the issue of the dequantizing instructions, bounds the kernel, and ZFOLD adds a quarter more mma.
+$PAGEDLLM_W4A16_GEMM (wn, wm, tm, stages, split, zfold) overrides fields for A/B runs.
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ def usable(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight:
     """gemm_reason is None and the kernel of the default tiles compiled (a failure is logged once)."""
     if gemm_reason(layout, x, scales, qweight, n) is not None:
         return False
+    from pagedllm.api.kernels import sm_count
+
     k = x.shape[-1]
-    tiles = gemm_tiles(x.numel() // k, n, k)
+    tiles = gemm_tiles(x.numel() // k, n, k, sm_count(x.device.index))
     got = _kernel_or_error(x.device, _defines(x.dtype, tiles, _group_of(layout, k) // 32))
     if isinstance(got, Exception):
         _warn_once(str(got))
