@@ -61,8 +61,15 @@ class MmaBlocks(NamedTuple):
 
 
 @functools.cache
+def cuda_source(name: str) -> str:
+    """The CUDA source `name` of this package after w4a16_fragments.cuh, the helpers both tensor-core kernels
+    use (NVRTC compiles one string: no include path)."""
+    here = Path(__file__).parent
+    return (here / "w4a16_fragments.cuh").read_text() + "\n" + (here / name).read_text()
+
+
 def _source() -> str:
-    return Path(__file__).with_name("w4a16_mma.cu").read_text()
+    return cuda_source("w4a16_mma.cu")
 
 
 def _unroll(layout: PackedLayout, k: int) -> int:
@@ -124,6 +131,11 @@ def mma_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwei
         return f"activations {x.dtype} with scales {scales.dtype} (one 16-bit dtype)"
     if n % 32 or k % 32 or layout.group_size % 32:
         return f"N = {n}, K = {k}, group {layout.group_size} (multiples of 32)"
+    return device_reason(x, scales, qweight, n)
+
+
+def device_reason(x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int) -> str | None:
+    """What both tensor-core kernels (this GEMV, mma_gemm.py's GEMM) need of the tensors and the device."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and qweight.shape[1] == n):
         return "qweight / scales not contiguous [*, N]"
     if not x.is_cuda or torch.version.hip:

@@ -41,12 +41,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from pagedllm.plugins.quantization.w4a16.layout import PackedLayout
+from pagedllm.plugins.quantization.w4a16.mma import cuda_source, device_reason
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,8 @@ class GemmTiles(NamedTuple):
         return self.stages * (-(-stage // 128) * 128)
 
 
-@functools.cache
 def _source() -> str:
-    return Path(__file__).with_name("w4a16_mma_gemm.cu").read_text()
+    return cuda_source("w4a16_mma_gemm.cu")
 
 
 def gemm_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qweight: torch.Tensor, n: int
@@ -92,18 +91,13 @@ def gemm_reason(layout: PackedLayout, x: torch.Tensor, scales: torch.Tensor, qwe
         return f"activations {x.dtype} with scales {scales.dtype} (one 16-bit dtype)"
     if n % 64 or k % K_TILE or group % K_TILE or k % group:
         return f"N = {n}, K = {k}, group {group} (N, K and the group multiples of 64)"
-    if not (qweight.is_contiguous() and scales.is_contiguous() and qweight.shape[1] == n):
-        return "qweight / scales not contiguous [*, N]"
-    if not x.is_cuda or torch.version.hip:
-        return "not a CUDA device"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return "compute capability below 8.0 (no bf16 mma.sync)"
-    return None
+    return device_reason(x, scales, qweight, n)
 
 
 _SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for blocks
 
 
+@functools.cache
 def gemm_tiles(m: int, n: int, k: int, sms: int = _SMS) -> GemmTiles:
     """NOTE 2: two warps a block (one along M); 64 rows a warp past 32 rows on a layer of at least SMs column
     blocks, else 32 (more row blocks), split by powers of two while the grid still fits the resident blocks."""

@@ -1,5 +1,6 @@
 // W4A16 GEMM on tensor cores for tens to thousands of activation rows, reading GPTQ-ordered 4-bit words as they
-// are (mma_gemm.py explains the design; compiled at first use by NVRTC, core/layers/cuda_rtc.py).
+// are (mma_gemm.py explains the design; compiled at first use by NVRTC, core/layers/cuda_rtc.py, after
+// w4a16_fragments.cuh: the 16-bit types, magic numbers and fragment helpers it shares with w4a16_mma.cu).
 //
 //   y[m, n] = sum_k x[m, k] * s[k / G, n] * (q[k, n] - z[k / G, n])
 //
@@ -42,27 +43,7 @@
 #define ZFOLD 0
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-#if FP16
-#define MAGIC2 0x64006400u
-#define BASE 1024.f
-#define NEG_BASE 0xE400u
-#define ONE2 0x3C003C00u
-#define FMA2 "fma.rn.f16x2"
-#define MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-#define CVT16 "cvt.rn.f16.f32"
-#else
-#define MAGIC2 0x43004300u
-#define BASE 128.f
-#define NEG_BASE 0xC300u
-#define ONE2 0x3F803F80u
-#define FMA2 "fma.rn.bf16x2"
-#define MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-#define CVT16 "cvt.rn.bf16.f32"
-#endif
-#define NEG_ZERO2 0x80008000u
+#define NEG_ZERO2 0x80008000u  // -0.0 twice: fma2(a, s, -0) is the product a s, rounded once
 
 #define BN (64 * WN)
 #define BM (8 * TM * WM)
@@ -90,53 +71,16 @@ __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 fma2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm(FMA2 " %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ float half_to_float(u32 h) {
-#if FP16
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
-    return f;
-#else
-    return __uint_as_float(h << 16);
-#endif
-}
-
 // Nibbles 0 and 4 of `w` as the pair (128 + q, 128 + q') (bf16; fp16 1024 + q): ZFOLD's fragment (NOTE 5).
 __device__ __forceinline__ u32 raw(u32 w) { return and_or(w, 0x000F000Fu, MAGIC2); }
 
 // Nibbles 0 and 4 of `w` dequantized: the pair (s (q - z), s (q' - z)) (NOTE 2).
 __device__ __forceinline__ u32 deq(u32 w, u32 neg_zero, u32 scale) {
-    return fma2(fma2(and_or(w, 0x000F000Fu, MAGIC2), ONE2, neg_zero), scale, NEG_ZERO2);
-}
-
-__device__ __forceinline__ void mma(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(MMA " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    return fma2(fma2(raw(w), ONE2, neg_zero), scale, NEG_ZERO2);
 }
 
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u16 l, h;
-    asm(CVT16 " %0, %1;" : "=h"(l) : "f"(lo));
-    asm(CVT16 " %0, %1;" : "=h"(h) : "f"(hi));
-    return (u32)l | ((u32)h << 16);
+    return (u32)float_to_half(lo) | ((u32)float_to_half(hi) << 16);
 }
 
 __device__ __forceinline__ u32 word_of(const uint4& v, int j) {
@@ -214,7 +158,6 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
 #pragma unroll
             for (int r = 0; r < 4; ++r) gacc[i][j][r] = 0.f;
     }
-    const u32 ones[4] = {ONE2, ONE2, ONE2, ONE2};
 #endif
 
 #pragma unroll
@@ -288,18 +231,18 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
                 const u32 x04 = prmt(xv.x, xv.z, 0x5410u), x15 = prmt(xv.x, xv.z, 0x7632u);
                 const u32 x26 = prmt(xv.y, xv.w, 0x5410u), x37 = prmt(xv.y, xv.w, 0x7632u);
 #if ZFOLD
-                mma(xs[i], ones, x04, x15);
-                mma(xs[i], ones, x26, x37);
+                mma(xs[i], ONE2, ONE2, ONE2, ONE2, x04, x15);
+                mma(xs[i], ONE2, ONE2, ONE2, ONE2, x26, x37);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    mma(gacc[i][j], &af[j][0], x04, x15);
-                    mma(gacc[i][j], &af[j][4], x26, x37);
+                    mma(gacc[i][j], af[j][0], af[j][1], af[j][2], af[j][3], x04, x15);
+                    mma(gacc[i][j], af[j][4], af[j][5], af[j][6], af[j][7], x26, x37);
                 }
 #else
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    mma(acc[i][j], &af[j][0], x04, x15);
-                    mma(acc[i][j], &af[j][4], x26, x37);
+                    mma(acc[i][j], af[j][0], af[j][1], af[j][2], af[j][3], x04, x15);
+                    mma(acc[i][j], af[j][4], af[j][5], af[j][6], af[j][7], x26, x37);
                 }
 #endif
             }
@@ -308,8 +251,8 @@ w4a16_mma_gemm(const u16* __restrict__ x, const u32* __restrict__ qw, const u32*
         if ((kt0 + it + 1) % (GI / 2) == 0 || it == ntiles - 1) {  // the group (or the split's share) ends
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const float sa = half_to_float(((j < 2 ? sa4.x : sa4.y) >> (16 * (j & 1))) & 0xFFFFu);
-                const float sb = half_to_float(((j < 2 ? sb4.x : sb4.y) >> (16 * (j & 1))) & 0xFFFFu);
+                const float sa = half_to_float((u16)((j < 2 ? sa4.x : sa4.y) >> (16 * (j & 1))));
+                const float sb = half_to_float((u16)((j < 2 ? sb4.x : sb4.y) >> (16 * (j & 1))));
                 const float za = BASE + (float)(((za8 >> (zshift + 4 * j)) & 0xFu) + zero_offset);
                 const float zb = BASE + (float)(((zb8 >> (zshift + 4 * j)) & 0xFu) + zero_offset);
 #pragma unroll
