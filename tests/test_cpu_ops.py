@@ -160,6 +160,55 @@ def test_decode_attention(ops: Any, window: int | None, soft_cap: float | None) 
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "bs"), [(16, 2, 16), (10, 2, 6), (4, 4, 5), (12, 4, 8)])
+def test_decode_attention_any_group_and_page_size(ops: Any, heads: int, kv_heads: int, bs: int) -> None:
+    """GQA groups of 8, 5 (four query heads and one), 1 and 3 on a KV head (the scores are taken up to four query
+    heads at a time, cpu_ops.c NOTE 11), and page sizes that are not powers of two (the division path)."""
+    hd = 64
+    gen = torch.Generator().manual_seed(heads * 100 + bs)
+    lens = [61, 3, 30]
+    order = torch.randperm(40, generator=gen) + 1
+    blocks, used = [], 0
+    for n in lens:
+        count = -(-n // bs)
+        blocks.append(order[used : used + count].tolist())
+        used += count
+    cache = torch.randn(TorchSDPABackend.kv_cache_shape(41, bs, kv_heads, hd), generator=gen)
+    q = torch.randn(len(lens), heads, hd, generator=gen)
+    k, v = torch.randn(len(lens), kv_heads, hd, generator=gen), torch.randn(len(lens), kv_heads, hd, generator=gen)
+    layer = AttentionLayerConfig(heads, hd, kv_heads, hd**-0.5, None, None)
+    reference, fused = TorchSDPABackend.make_impl(layer), TorchSDPABackend.make_impl(layer)
+    fused.cpu_ops = ops
+    common = _decode_step(lens, blocks, bs)
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = reference.forward(q, k, v, ref_cache, TorchSDPABackend.build_metadata(common))
+    md = TorchSDPABackend.build_metadata(common)
+    got = fused.forward(q, k, v, got_cache, md)
+    assert md.c_decode
+    assert torch.equal(got_cache, ref_cache)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_rotary_on_threads_keep_every_bit(ops: Any) -> None:
+    """A prefill chunk's rows (past cpu_ops.c's MT_MIN_ELEMS) shared over threads: the one-thread bits (NOTE 12)."""
+    gen = torch.Generator().manual_seed(12)
+    x, res, w = torch.randn(600, 576, generator=gen), torch.randn(600, 576, generator=gen), torch.randn(576, generator=gen)
+    rope = RotaryEmbedding(64, 64, 4096, 10000.0)
+    qkv = torch.randn(600, 15 * 64, generator=gen)
+    positions = torch.randint(0, 4096, (600,), generator=gen)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            q, k, _ = qkv.clone().split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+            ops.rotary_neox(positions, q, k, rope.cos_cache, rope.sin_cache, 64)
+            got.append((*ops.add_rms_norm(x, res, w, 1e-5, False), q, k))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
+
+
 def test_decode_attention_over_long_scattered_contexts(ops: Any) -> None:
     """Contexts of many blocks in any order, longer than the rows the kernel reads ahead (cpu_ops.c NOTE 3),
     SmolLM2's heads (9 query heads on 3 KV heads), against the torch backend's own decode."""

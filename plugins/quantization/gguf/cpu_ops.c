@@ -3,8 +3,9 @@
  *
  * Built at first use by cpu_ops.py (cc -O3 -march=native -ffp-contract=off -fopenmp) and called through
  * ctypes. All float32, single-threaded (the work per call is microseconds: a parallel region would cost more
- * than it saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6) but a batch's decode attention (NOTE 6);
- * cpu_decode_step's row products run on their own library's threads.
+ * than it saves, and on a shared machine it stalls; gguf_cpu.c NOTE 6) but a batch's decode attention (NOTE 6)
+ * and a prefill chunk's norm and rotary (NOTE 12); cpu_decode_step's row products run on their own library's
+ * threads.
  *
  *   cpu_add_rms_norm       out = norm(x + res) * w, res_out = x + res      (res NULL: out = norm(x) * w)
  *   cpu_rotary_neox        q, k rotated in place, neox halves, first `rot` dims of each head
@@ -34,6 +35,9 @@
  * the bf16 gate and up, rounded to bf16 once (round to nearest even, NaN kept), in one pass with rows shared
  * over `threads` from MT_MIN_ELEMS outputs on. torch's F.silu(gate).mul_(up) took two passes over strided
  * halves and rounded twice: SmolLM2's [2048, 3072] took 1.2 ms a layer on 2 threads (2026-12-02).
+ * NOTE 12: the norm and the rotary share a prefill chunk's rows over `threads` (the `_mt` entry points) from
+ * MT_MIN_ELEMS values on, each row computed as on one thread; the one-row decode plan binds the single-threaded
+ * entry points. SmolLM2's 2048-row prefill norm took ~0.9 ms a layer on one thread.
  * NOTE 8: the k (<= TOPK_MAX) largest of each row in one pass: 16 values at a time compared with the k-th best so
  * far, the rare winners inserted one by one. The indices come in no set order (the caller recomputes those
  * logits and scatters them back); among equal values the first one seen wins; NaN is never picked. torch.topk
@@ -49,6 +53,8 @@
 #include <immintrin.h>
 #define CPU_SIMD 1
 #endif
+
+#define MT_MIN_ELEMS (1L << 18) /* NOTE 7: below, one thread (a team's wake-up costs more than the pass) */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -184,8 +190,11 @@ static inline float exp_shifted(float *p, int64_t n, float m) {
 
 /* x, res, out, res_out: [T, H] contiguous (res, res_out NULL for a plain norm; res_out may alias res).
  * gemma: scale by (1 + w) instead of w. */
-void cpu_add_rms_norm(const float *x, const float *res, const float *w, float eps, int gemma, int64_t T,
-                      int64_t H, float *out, float *res_out) {
+/* NOTE 12 */
+void cpu_add_rms_norm_mt(const float *x, const float *res, const float *w, float eps, int gemma, int64_t T,
+                         int64_t H, float *out, float *res_out, int threads) {
+    const int nt = threads > 1 && T > 1 && T * H >= MT_MIN_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * H;
         float *o = out + t * H;
@@ -203,8 +212,15 @@ void cpu_add_rms_norm(const float *x, const float *res, const float *w, float ep
     }
 }
 
+void cpu_add_rms_norm(const float *x, const float *res, const float *w, float eps, int gemma, int64_t T,
+                      int64_t H, float *out, float *res_out) {
+    cpu_add_rms_norm_mt(x, res, w, eps, gemma, T, H, out, res_out, 1);
+}
+
 static void rotate_rows(float *x, int64_t stride, int64_t heads, int64_t head, int64_t T, const int64_t *pos,
-                        const float *cos, const float *sin, int64_t half) {
+                        const float *cos, const float *sin, int64_t half, int threads) {
+    const int nt = threads > 1 && T > 1 && T * heads * head >= MT_MIN_ELEMS ? threads : 1; /* NOTE 12 */
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + pos[t] * half, *s = sin + pos[t] * half;
         for (int64_t h = 0; h < heads; h++) {
@@ -220,10 +236,15 @@ static void rotate_rows(float *x, int64_t stride, int64_t heads, int64_t head, i
 
 /* q: T rows of nq heads (row stride qs floats), k likewise; heads `head` floats apart; cos/sin [*, half]
  * rows indexed by pos[t]; the first 2 * half dims of each head rotate (neox), the rest stay. */
+void cpu_rotary_neox_mt(float *q, int64_t qs, int64_t nq, float *k, int64_t ks, int64_t nk, int64_t head,
+                        int64_t T, const int64_t *pos, const float *cos, const float *sin, int64_t half, int threads) {
+    rotate_rows(q, qs, nq, head, T, pos, cos, sin, half, threads);
+    rotate_rows(k, ks, nk, head, T, pos, cos, sin, half, threads);
+}
+
 void cpu_rotary_neox(float *q, int64_t qs, int64_t nq, float *k, int64_t ks, int64_t nk, int64_t head, int64_t T,
                      const int64_t *pos, const float *cos, const float *sin, int64_t half) {
-    rotate_rows(q, qs, nq, head, T, pos, cos, sin, half);
-    rotate_rows(k, ks, nk, head, T, pos, cos, sin, half);
+    cpu_rotary_neox_mt(q, qs, nq, k, ks, nk, head, T, pos, cos, sin, half, 1);
 }
 
 /* x [T, 2d] contiguous -> out [T, d]: silu(gate) * up, silu(g) = g / (1 + exp(-g)) */
@@ -257,7 +278,14 @@ void cpu_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
 #define PREFETCH_AHEAD 4
 #define MT_MIN_MACS (1L << 20) /* NOTE 6 */
 
-static inline int64_t cache_slot(const int32_t *bt, int64_t bs, int64_t j) { return (int64_t)bt[j / bs] * bs + j % bs; }
+/* NOTE 11: a power-of-two page size (every size the engine picks) takes a shift and a mask, not a 64-bit division */
+static inline int64_t cache_slot(const int32_t *bt, int64_t bs, int64_t j) {
+    if ((bs & (bs - 1)) == 0) {
+        const int sh = __builtin_ctzll((unsigned long long)bs);
+        return ((int64_t)bt[j >> sh] << sh) | (j & (bs - 1));
+    }
+    return (int64_t)bt[j / bs] * bs + j % bs;
+}
 
 static inline void prefetch_bytes(const char *r, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(r + i, 0, 3);
@@ -275,9 +303,18 @@ static inline void prefetch_bytes(const char *r, int64_t bytes) {
  * the whole block's lines at once (48 for float32 rows of SmolLM2) overran the core's outstanding misses and
  * ran slower than NOTE 3's row per position. One thread, that batch, min of 6 (2026-12-02, a neighbour busy on
  * the other core): 3.3 -> 2.6 ms float32, 2.1 ms bf16 (ahead 4 rows a burst: 5.3 / 2.7; 12: 2.9 / 2.5; 16:
- * 4.2 / 2.2; no software prefetch 8.0 / 4.2). */
+ * 4.2 / 2.2; no software prefetch 8.0 / 4.2).
+ * NOTE 11: each key row's slice of a KV head is widened once for up to four of its query heads (dots4: 4 x 4
+ * accumulators), each value row's once for all of them, and the rows ahead are asked for into L2 (prefetcht1)
+ * 16 positions on rather than into L1 8 on: the L1 requests held the core's few miss buffers while the
+ * arithmetic waited on them. Every sum keeps its order, so the bits are NOTE 10's. SmolLM2's 128-request batch
+ * (129..255 positions, bf16 cache, blocks scattered, 30 layers' caches in turn so rows come from memory), min
+ * of 6, 2026-12-03, A B in one process: 1.45-1.53 -> 1.17-1.31 ms a layer on 2 threads, 2.6 -> 2.3 on one;
+ * a float32 cache 2.6 -> 2.0 ms; Llama-3.1-8B's heads (32 on 8, head 128), 64 requests, 3.1 -> 2.8 ms. The
+ * L1-resident case (32 requests, one layer) 0.60 -> 0.52 ms: the widening was a sixth of the work. */
 #define DA_AVX512 1
-#define PF_AHEAD 8
+#define PF_AHEAD 16
+#define PF_HINT 2 /* prefetcht1: NOTE 11 */
 
 static inline __m512 load16_row(const char *r, int64_t i, const int bf16) {
     if (bf16) /* widened exactly: what AVX512-BF16's vcvtpbh2ps does */
@@ -294,81 +331,105 @@ static inline __m128 reduce4_16(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 
-/* scores p[h * n + j - first] of one request's positions first .. len-1 (NOTE 10) */
+/* the scores of query heads h0 .. h0 + SG - 1 (one KV head's, at byte offset `at` of a row) against four rows
+ * (NOTE 10, 11): chunk by chunk, each row's chunk widened once for all SG heads */
+static inline __attribute__((always_inline)) void dots4(const float *qd, const char *const kr[4], int64_t at,
+                                                        int64_t h0, int64_t head, float s4[][4], const int SG,
+                                                        const int bf16) {
+    __m512 acc[4][4];
+    for (int hh = 0; hh < SG; hh++)
+        for (int t = 0; t < 4; t++) acc[hh][t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head; c += 16) {
+        const __m512 k0 = load16_row(kr[0] + at, c, bf16), k1 = load16_row(kr[1] + at, c, bf16);
+        const __m512 k2 = load16_row(kr[2] + at, c, bf16), k3 = load16_row(kr[3] + at, c, bf16);
+        for (int hh = 0; hh < SG; hh++) {
+            const __m512 x = _mm512_loadu_ps(qd + (h0 + hh) * head + c);
+            acc[hh][0] = _mm512_fmadd_ps(x, k0, acc[hh][0]);
+            acc[hh][1] = _mm512_fmadd_ps(x, k1, acc[hh][1]);
+            acc[hh][2] = _mm512_fmadd_ps(x, k2, acc[hh][2]);
+            acc[hh][3] = _mm512_fmadd_ps(x, k3, acc[hh][3]);
+        }
+    }
+    for (int hh = 0; hh < SG; hh++) _mm_storeu_ps(s4[hh], reduce4_16(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]));
+}
+
+/* scores p[h * n + j - first] of one request's positions first .. len-1 (NOTE 10, 11) */
 static inline __attribute__((always_inline)) void scores4(const float *qd, const char *keys, const int32_t *bt,
                                                           int64_t bs, int64_t row_bytes, int64_t nh, int64_t group,
                                                           int64_t head, int64_t first, int64_t len, float scale,
                                                           float soft_cap, float *p, const int bf16) {
-    const int64_t n = len - first, esz = bf16 ? 2 : 4;
+    const int64_t n = len - first, esz = bf16 ? 2 : 4, nkv = nh / group;
+    const int64_t subs = (group + 3) / 4, parts = nkv * subs; /* (KV head, <= 4 of its query heads) pieces */
     for (int64_t j = first; j < len; j += 4) {
         const int64_t m = len - j < 4 ? len - j : 4; /* past the end: row j again, its scores dropped */
         const char *kr[4];
         for (int64_t t = 0; t < 4; t++) kr[t] = keys + cache_slot(bt, bs, t < m ? j + t : j) * row_bytes;
-        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per head (NOTE 10) */
+        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per piece (NOTE 10) */
         int64_t npf = 0;
         for (int64_t t = PF_AHEAD; t < PF_AHEAD + 4; t++)
             if (j + t < len) pf[npf++] = keys + cache_slot(bt, bs, j + t) * row_bytes;
-        const int64_t lines = row_bytes / 64, per_head = (npf * lines + nh - 1) / nh;
-        for (int64_t h = 0; h < nh; h++) {
-            for (int64_t x = h * per_head; x < (h + 1) * per_head && x < npf * lines; x++)
-                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, 3);
-            const int64_t at = h / group * head * esz;
-            const float *qh = qd + h * head;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < head; c += 16) {
-                const __m512 x = _mm512_loadu_ps(qh + c);
-                a0 = _mm512_fmadd_ps(x, load16_row(kr[0] + at, c, bf16), a0);
-                a1 = _mm512_fmadd_ps(x, load16_row(kr[1] + at, c, bf16), a1);
-                a2 = _mm512_fmadd_ps(x, load16_row(kr[2] + at, c, bf16), a2);
-                a3 = _mm512_fmadd_ps(x, load16_row(kr[3] + at, c, bf16), a3);
+        const int64_t lines = row_bytes / 64, per_part = (npf * lines + parts - 1) / parts;
+        for (int64_t part = 0; part < parts; part++) {
+            for (int64_t x = part * per_part; x < (part + 1) * per_part && x < npf * lines; x++)
+                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, PF_HINT);
+            const int64_t g = part / subs, h0 = g * group + part % subs * 4;
+            const int64_t sg = g * group + group - h0 < 4 ? g * group + group - h0 : 4;
+            const int64_t at = g * head * esz;
+            float s4[4][4];
+            switch (sg) {
+            case 1: dots4(qd, kr, at, h0, head, s4, 1, bf16); break;
+            case 2: dots4(qd, kr, at, h0, head, s4, 2, bf16); break;
+            case 3: dots4(qd, kr, at, h0, head, s4, 3, bf16); break;
+            default: dots4(qd, kr, at, h0, head, s4, 4, bf16); break;
             }
-            float s4[4];
-            _mm_storeu_ps(s4, reduce4_16(a0, a1, a2, a3));
-            for (int64_t t = 0; t < m; t++) {
-                float sc = s4[t] * scale;
-                if (soft_cap > 0.f) sc = soft_cap * tanhf(sc / soft_cap);
-                p[h * n + j - first + t] = sc;
-            }
+            for (int64_t hh = 0; hh < sg; hh++)
+                for (int64_t t = 0; t < m; t++) {
+                    float sc = s4[hh][t] * scale;
+                    if (soft_cap > 0.f) sc = soft_cap * tanhf(sc / soft_cap);
+                    p[(h0 + hh) * n + j - first + t] = sc;
+                }
         }
     }
 }
 
-/* od[h] = sum_j p[h][j] V_j for one request (NOTE 10): od zeroed first, the positions in order */
+/* od[h] = sum_j p[h][j] V_j for one request (NOTE 10, 11): od zeroed first, the positions in order */
 static inline __attribute__((always_inline)) void values4(const char *values, const int32_t *bt, int64_t bs,
                                                           int64_t row_bytes, int64_t nh, int64_t group, int64_t head,
                                                           int64_t first, int64_t len, const float *p, float *od,
                                                           const int bf16) {
-    const int64_t n = len - first, esz = bf16 ? 2 : 4;
+    const int64_t n = len - first, esz = bf16 ? 2 : 4, nkv = nh / group;
     memset(od, 0, nh * head * sizeof(float));
     for (int64_t j = first; j < len; j += 4) {
         const int64_t m = len - j < 4 ? len - j : 4;
         const char *vr[4];
         for (int64_t t = 0; t < 4; t++) vr[t] = values + cache_slot(bt, bs, t < m ? j + t : j) * row_bytes;
-        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per head (NOTE 10) */
+        const char *pf[4]; /* the rows PF_AHEAD on, asked for a share per KV head (NOTE 10) */
         int64_t npf = 0;
         for (int64_t t = PF_AHEAD; t < PF_AHEAD + 4; t++)
             if (j + t < len) pf[npf++] = values + cache_slot(bt, bs, j + t) * row_bytes;
-        const int64_t lines = row_bytes / 64, per_head = (npf * lines + nh - 1) / nh;
-        for (int64_t h = 0; h < nh; h++) {
-            for (int64_t x = h * per_head; x < (h + 1) * per_head && x < npf * lines; x++)
-                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, 3);
-            const int64_t at = h / group * head * esz;
-            const float *ph = p + h * n + j - first;
-            const __m512 p0 = _mm512_set1_ps(ph[0]);
-            const __m512 p1 = _mm512_set1_ps(m > 1 ? ph[1] : 0.f), p2 = _mm512_set1_ps(m > 2 ? ph[2] : 0.f);
-            const __m512 p3 = _mm512_set1_ps(m > 3 ? ph[3] : 0.f);
-            float *o = od + h * head;
+        const int64_t lines = row_bytes / 64, per_g = (npf * lines + nkv - 1) / nkv;
+        for (int64_t g = 0; g < nkv; g++) {
+            for (int64_t x = g * per_g; x < (g + 1) * per_g && x < npf * lines; x++)
+                __builtin_prefetch(pf[x / lines] + x % lines * 64, 0, PF_HINT);
+            const int64_t at = g * head * esz;
             for (int64_t c = 0; c < head; c += 16) {
-                __m512 acc = _mm512_loadu_ps(o + c);
-                acc = _mm512_fmadd_ps(p0, load16_row(vr[0] + at, c, bf16), acc);
-                if (m > 1) acc = _mm512_fmadd_ps(p1, load16_row(vr[1] + at, c, bf16), acc);
-                if (m > 2) acc = _mm512_fmadd_ps(p2, load16_row(vr[2] + at, c, bf16), acc);
-                if (m > 3) acc = _mm512_fmadd_ps(p3, load16_row(vr[3] + at, c, bf16), acc);
-                _mm512_storeu_ps(o + c, acc);
+                const __m512 v0 = load16_row(vr[0] + at, c, bf16), v1 = load16_row(vr[1] + at, c, bf16);
+                const __m512 v2 = load16_row(vr[2] + at, c, bf16), v3 = load16_row(vr[3] + at, c, bf16);
+                for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                    const float *ph = p + h * n + j - first;
+                    float *o = od + h * head + c;
+                    __m512 acc = _mm512_loadu_ps(o);
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(ph[0]), v0, acc);
+                    if (m > 1) acc = _mm512_fmadd_ps(_mm512_set1_ps(ph[1]), v1, acc);
+                    if (m > 2) acc = _mm512_fmadd_ps(_mm512_set1_ps(ph[2]), v2, acc);
+                    if (m > 3) acc = _mm512_fmadd_ps(_mm512_set1_ps(ph[3]), v3, acc);
+                    _mm512_storeu_ps(o, acc);
+                }
             }
         }
     }
 }
+
 #endif
 
 /* NOTE 9: kv_bf16 = the cache holds bf16 (kv_cache.cache_dtype bfloat16): each new K/V row is rounded to bf16
@@ -433,7 +494,15 @@ int cpu_decode_attention(const float *q, int64_t qs, const float *k_new, int64_t
         }
         for (int64_t h = 0; h < nh; h++) {
             float *ph = p + h * n, m = -INFINITY;
-            for (int64_t j = 0; j < n; j++) m = ph[j] > m ? ph[j] : m;
+            int64_t j = 0;
+#ifdef DA_AVX512
+            if (n >= 16) { /* max_ps(x, acc) is (x > acc ? x : acc), the loop below's rule */
+                __m512 mv = _mm512_set1_ps(-INFINITY);
+                for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(ph + j), mv);
+                m = _mm512_reduce_max_ps(mv);
+            }
+#endif
+            for (; j < n; j++) m = ph[j] > m ? ph[j] : m;
             const float inv = 1.f / exp_shifted(ph, n, m);
             for (int64_t j = 0; j < n; j++) ph[j] *= inv;
         }
@@ -559,7 +628,6 @@ int cpu_decode_step(const cpu_decode_step_args *a) {
 
 /* ---- Batch helpers of the bf16 GEMM path (NOTE 7, 8) --------------------------------------------------------- */
 
-#define MT_MIN_ELEMS (1L << 18) /* NOTE 7: below, one thread (a team's wake-up costs more than the pass) */
 #define TOPK_MAX 64
 
 #ifdef CPU_SIMD

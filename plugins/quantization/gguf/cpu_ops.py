@@ -46,6 +46,14 @@ class CpuOps:
         self.rotary_fn = lib.cpu_rotary_neox
         self.rotary_fn.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, i64]
         self.rotary_fn.restype = None
+        # The same two ops with a thread count: a prefill chunk's rows shared over torch's threads (cpu_ops.c
+        # NOTE 12); `norm_fn` / `rotary_fn` stay the single-threaded entry points a decode plan binds.
+        self._norm_mt_fn = lib.cpu_add_rms_norm_mt
+        self._norm_mt_fn.argtypes = [p, p, p, f32, c_int, i64, i64, p, p, c_int]
+        self._norm_mt_fn.restype = None
+        self._rotary_mt_fn = lib.cpu_rotary_neox_mt
+        self._rotary_mt_fn.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, i64, c_int]
+        self._rotary_mt_fn.restype = None
         self.silu_fn = lib.cpu_silu_and_mul
         self.silu_fn.argtypes = [p, i64, i64, p]
         self.silu_fn.restype = None
@@ -118,13 +126,15 @@ class CpuOps:
         x = x.contiguous()
         out = torch.empty_like(x)
         h = x.shape[-1]
+        threads = torch.get_num_threads()
         if residual is None:
-            self.norm_fn(x.data_ptr(), None, weight.data_ptr(), eps, gemma, x.numel() // h, h, out.data_ptr(), None)
+            self._norm_mt_fn(x.data_ptr(), None, weight.data_ptr(), eps, gemma, x.numel() // h, h, out.data_ptr(),
+                             None, threads)
             return out, None
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
-        self.norm_fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, gemma, x.numel() // h, h,
-                   out.data_ptr(), new_residual.data_ptr())
+        self._norm_mt_fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, gemma, x.numel() // h, h,
+                         out.data_ptr(), new_residual.data_ptr(), threads)
         return out, new_residual
 
     def rotary_neox(
@@ -139,9 +149,9 @@ class CpuOps:
         """Rotate query [T, nq * hs] and key [T, nk * hs] in place (rows may be strided, each row contiguous);
         cos / sin [max_position, rotary_dim / 2] float32, positions [T] int64 (contiguous)."""
         t = query.shape[0]
-        self.rotary_fn(query.data_ptr(), query.stride(0), query.shape[-1] // head_size, key.data_ptr(),
-                     key.stride(0), key.shape[-1] // head_size, head_size, t, positions.data_ptr(),
-                     cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
+        self._rotary_mt_fn(query.data_ptr(), query.stride(0), query.shape[-1] // head_size, key.data_ptr(),
+                           key.stride(0), key.shape[-1] // head_size, head_size, t, positions.data_ptr(),
+                           cos.data_ptr(), sin.data_ptr(), cos.shape[-1], torch.get_num_threads())
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[T, 2d] -> [T, d]: silu(gate) * up."""
