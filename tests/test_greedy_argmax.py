@@ -87,14 +87,38 @@ def test_wide_vocab_takes_a_wider_block_and_tickets_return_to_zero() -> None:
     assert got["tickets_zero"] and got["strided_refused"], got
 
 
+@pytest.mark.parametrize("name", list(_cases()))
+def test_cpu_chunked_argmax_equals_torch(name: str) -> None:
+    """The CPU's chunk-maxima argmax (greedy_argmax.py NOTE 1) on the kernel's cases: ties, NaNs, -inf rows,
+    ragged tails; also bf16, a strided view and a tail that ties with (or is a NaN after) the main part."""
+    from pagedllm.sample import greedy_argmax as rule
+
+    logits = _cases()[name]
+    assert logits.shape[1] >= rule.MIN_VOCAB
+    for x in (logits, logits.to(torch.bfloat16), torch.cat([logits, logits], dim=1)[:, 3 : 3 + logits.shape[1]]):
+        assert torch.equal(rule.greedy_argmax(x), x.argmax(dim=-1)), name
+
+
+def test_cpu_chunked_argmax_tail_rules() -> None:
+    from pagedllm.sample import greedy_argmax as rule
+
+    vocab = 9 * rule.CPU_CHUNK + 100
+    x = torch.zeros(4, vocab)
+    x[0, 5], x[0, vocab - 1] = 3.0, 3.0  # a tie with the tail: the lower index
+    x[1, vocab - 2] = 3.0  # the tail strictly greater
+    x[2, vocab - 3] = float("nan")  # a NaN in the tail beats every number before it
+    x[3, 7], x[3, vocab - 1] = float("nan"), float("nan")  # the first NaN
+    assert rule.greedy_argmax(x).tolist() == x.argmax(dim=-1).tolist() == [5, vocab - 2, vocab - 3, 7]
+
+
 def test_rule_keeps_cpu_small_vocab_and_odd_layouts_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only CUDA [B <= MAX_ROWS, V >= MIN_VOCAB] rows take the kernel; the sampler's greedy path calls the rule."""
     from pagedllm.sample import greedy_argmax as rule
     from pagedllm.sample.metadata import SamplingMetadata  # noqa: F401  (the sampler imports cleanly)
     from pagedllm.sample.sampler import Sampler  # noqa: F401
 
-    x = torch.randn(2, rule.MIN_VOCAB)
-    assert torch.equal(rule.greedy_argmax(x), x.argmax(dim=-1))  # CPU: torch's own
+    x = torch.randn(2, rule.MIN_VOCAB - 1)
+    assert torch.equal(rule.greedy_argmax(x), x.argmax(dim=-1))  # a CPU vocabulary under MIN_VOCAB: torch's own
     taken: list[tuple[int, ...]] = []
     monkeypatch.setattr("pagedllm.sample.argmax_kernel.argmax_rows",
                         lambda t: taken.append(tuple(t.shape)) or t.argmax(dim=-1), raising=False)

@@ -327,6 +327,35 @@ def test_min_tokens_masks_stop_ids_until_reached() -> None:
     assert not set(out.tolist()) & {eos, stop}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_min_tokens_without_the_copy_is_the_masked_argmax(dtype: torch.dtype) -> None:
+    """The CPU's greedy path under min_tokens (sampler.py _greedy_under_min_tokens) picks what the argmax of the
+    masked copy picks: rows whose best token is forbidden, rows tied with a forbidden token, NaN rows."""
+    from pagedllm.sample.greedy_argmax import greedy_argmax
+    from pagedllm.sample.sampler import apply_min_tokens
+
+    vocab, stops = 9000, [3, 8999, 4000]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(40, vocab, generator=gen).to(dtype)
+    logits[0:10, 3] = 50.0  # forbidden best for rows still under min_tokens
+    logits[10:20, 4000], logits[10:20, 4001] = 60.0, 60.0  # a tie whose first index is forbidden
+    logits[20, 8999] = float("nan")  # a forbidden NaN
+    logits[21, 5], logits[21, 8999] = float("nan"), float("nan")
+    params = [SamplingParams(temperature=0.0, min_tokens=4) for _ in range(40)]
+    for p in params:
+        p._all_stop_token_ids = set(stops)
+    outputs = [[1] * (i % 6) for i in range(40)]  # rows with 4 or 5 outputs are past min_tokens
+    meta = build(params, vocab, outputs=outputs)
+    assert meta.min_tokens_mask is not None and meta.all_greedy
+    want = greedy_argmax(apply_min_tokens(logits, meta))
+    before = logits.clone()
+    got = Sampler()(logits, meta).sampled_token_ids
+    assert torch.equal(logits.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       before.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # not modified
+    assert got.tolist() == want.tolist()
+    assert set(got[[i for i in range(40) if i % 6 < 4]].tolist()).isdisjoint(stops)
+
+
 def test_disabled_features_cost_nothing() -> None:
     params = [SamplingParams(), SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.3)]
     meta = build(params, 32, generators=[None, seeded(0)], outputs=[[1, 2], [3]])

@@ -88,6 +88,8 @@ class Sampler:
             # of a 24 ms decode step at 500 requests x 128k vocab on the H200. The -inf masks (min_tokens,
             # allowed_token_ids, bad_words) are exact too; a logit bias is not, so it takes the float path.
             # NOTE(3): a wide vocabulary's argmax runs chunked in one launch (greedy_argmax.py), same index.
+            if logits.device.type == "cpu" and _only_min_tokens(metadata):
+                return SamplerOutput(sampled_token_ids=_greedy_under_min_tokens(logits, metadata), logprobs=None)
             return SamplerOutput(sampled_token_ids=greedy_argmax(self.process(logits, metadata)), logprobs=None)
         logits = logits.float()
         # Logprobs describe the model's own distribution, before any penalty or filter (vLLM's default).
@@ -117,7 +119,7 @@ class Sampler:
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax. Random rows: temperature, min_p, top-k/top-p, then an exponential race."""
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else greedy_argmax(logits)
         if greedy is not None and metadata.all_greedy:
             return greedy
         random = exponential_race(sampling_probs(logits, metadata), metadata.generators)
@@ -145,6 +147,29 @@ def apply_token_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
         rows, cols, biases = metadata.logit_bias
         logits = logits.index_put((rows, cols), biases.to(logits.dtype), accumulate=True)
     return apply_min_tokens(logits, metadata)
+
+
+def _only_min_tokens(metadata: SamplingMetadata) -> bool:
+    """min_tokens is the batch's one token edit (greedy rows, no processors or penalties: the caller's test)."""
+    return (metadata.min_tokens_mask is not None and metadata.allowed_token_ids_mask is None
+            and metadata.bad_words_mask is None and metadata.logit_bias is None)
+
+
+def _greedy_under_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """argmax of apply_min_tokens(logits) without its [B, V] copy: the plain argmax, then the rows whose pick is a
+    forbidden token again on a masked copy of those rows only. Forbidding tokens cannot move a pick that is not
+    one of them (it stays the first maximum), so the indices are the masked argmax's. The CPU's path: the check
+    reads the picks back, a device sync elsewhere."""
+    assert metadata.min_tokens_mask is not None
+    tokens = greedy_argmax(logits)
+    rows, cols = metadata.min_tokens_mask
+    hit = rows[tokens[rows] == cols].unique()
+    if hit.numel():
+        masked = logits[hit]
+        keep = torch.isin(rows, hit)
+        masked[torch.searchsorted(hit, rows[keep]), cols[keep]] = _NEG_INF
+        tokens[hit] = masked.argmax(dim=-1)
+    return tokens
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
