@@ -306,12 +306,12 @@ static inline void prefetch_bytes(const char *r, int64_t bytes) {
  * 4.2 / 2.2; no software prefetch 8.0 / 4.2).
  * NOTE 11: each key row's slice of a KV head is widened once for up to four of its query heads (dots4: 4 x 4
  * accumulators), each value row's once for all of them, and the rows ahead are asked for into L2 (prefetcht1)
- * 16 positions on rather than into L1 8 on: the L1 requests held the core's few miss buffers while the
- * arithmetic waited on them. Every sum keeps its order, so the bits are NOTE 10's. SmolLM2's 128-request batch
+ * 16 positions on rather than into L1 8 on (the likely reason it gains: L1 prefetches occupy the core's few
+ * L1 miss buffers, which the loads then wait for). Every sum keeps its order, so the bits are NOTE 10's. SmolLM2's 128-request batch
  * (129..255 positions, bf16 cache, blocks scattered, 30 layers' caches in turn so rows come from memory), min
  * of 6, 2026-12-03, A B in one process: 1.45-1.53 -> 1.17-1.31 ms a layer on 2 threads, 2.6 -> 2.3 on one;
  * a float32 cache 2.6 -> 2.0 ms; Llama-3.1-8B's heads (32 on 8, head 128), 64 requests, 3.1 -> 2.8 ms. The
- * L1-resident case (32 requests, one layer) 0.60 -> 0.52 ms: the widening was a sixth of the work. */
+ * L1-resident case (32 requests, one layer) 0.60 -> 0.52 ms. */
 #define DA_AVX512 1
 #define PF_AHEAD 16
 #define PF_HINT 2 /* prefetcht1: NOTE 11 */
