@@ -1,6 +1,7 @@
-"""Where W1 / W2 / W4 / W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
+"""Where W1-W5 spend their time, step by step (H200): the bench_suite engine with every step traced.
 
-    python examples/gpu/trace_steps.py [--workloads W1,W2,W4,W5] [--scale 1.0] [--max-num-seqs 1024]
+    python examples/gpu/trace_steps.py [--shape llama-3.2-1b] [--workloads W1,W2,W3,W4,W5] [--scale 1.0]
+                                       [--max-num-seqs 1024]
 
 Per engine step it records the host clock at the step's start, the step's shape (tokens, requests, decodes),
 whether the forward replayed a CUDA graph, and two CUDA events around the runner's work (forward + sampler)
@@ -13,7 +14,6 @@ time before the step (previous end event to this start event: the host was late)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,31 +24,31 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_suite import make_prompts, w4_prompts, w5_prompts  # noqa: E402
-from h200_check import LLAMA_8B_CONFIG  # noqa: E402
+from model_shapes import DEFAULT_SHAPE, SHAPES, default_model_dir, id_high, write_config  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default=DEFAULT_SHAPE, choices=list(SHAPES))
     ap.add_argument("--workloads", default="W4,W5")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--model-dir", default="/tmp/llama31_8b_dummy_pagedllm")
+    ap.add_argument("--model-dir", default=None, help="default: model_shapes.default_model_dir(shape)")
     ap.add_argument("--no-cascade", action="store_true", help="report no shared prefix (cuda_graphs NOTE 4)")
     args = ap.parse_args()
     if args.no_cascade:
         import pagedllm.worker.cuda_graphs as cuda_graphs
 
         cuda_graphs.CASCADE_MIN_TOKENS = 1 << 30
-    os.makedirs(args.model_dir, exist_ok=True)
-    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
-        json.dump(LLAMA_8B_CONFIG, f)
+    model_dir = write_config(args.model_dir or default_model_dir(args.shape, "_pagedllm"), args.shape)
+    high = id_high(args.shape)
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import EngineConfig
 
     cfg = EngineConfig.from_dict({
-        "model": args.model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
+        "model": model_dir, "dtype": "bfloat16", "device": "cuda", "seed": 0,
         "attention": {"backend": "triton"}, "loader": {"name": "dummy"},
         "kv_cache": {"gpu_memory_utilization": 0.9},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
@@ -142,16 +142,18 @@ def main() -> int:
     llm.generate([{"prompt_token_ids": list(range(1000, 1256))}] * 4, warm, use_tqdm=False)
     for wl in args.workloads.split(","):
         if wl == "W4":
-            prompts = w4_prompts(max(1, int(1000 * args.scale)))
+            prompts = w4_prompts(max(1, int(1000 * args.scale)), high)
             outs = [128] * len(prompts)
         elif wl == "W1":
-            prompts = [[int(x) for x in r] for r in make_prompts()["W1"][: max(1, int(1000 * args.scale))]]
+            prompts = [[int(x) for x in r] for r in make_prompts(high)["W1"][: max(1, int(1000 * args.scale))]]
             outs = [128] * len(prompts)
         elif wl == "W2":
-            prompts = [[int(x) for x in r] for r in make_prompts()["W2"][: max(1, int(500 * args.scale))]]
+            prompts = [[int(x) for x in r] for r in make_prompts(high)["W2"][: max(1, int(500 * args.scale))]]
             outs = [1024] * len(prompts)
+        elif wl == "W3":  # one stream, bench_suite's first W3 prompt and length
+            prompts, outs = [[int(x) for x in make_prompts(high)["W3"][0]]], [512]
         else:
-            prompts, outs = w5_prompts(max(1, int(1000 * args.scale)))
+            prompts, outs = w5_prompts(max(1, int(1000 * args.scale)), high)
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in outs]
         records.clear()
         t0 = time.perf_counter()
