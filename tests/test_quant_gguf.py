@@ -114,10 +114,12 @@ def test_native_kernel_against_dequantized(qtype: Q) -> None:
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_native_kernel_bf16_batch_gemm_equals_torchs_bf16_linear(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # batch_gemm.py NOTE 1: the oneDNN-packed copy gives torch's own bf16 linear's bits at every row count.
+    # batch_gemm.py NOTE 1: without bf16_gemm.c the oneDNN-packed copy gives torch's own bf16 linear's bits at
+    # every row count.
     if packed and not batch_gemm.packed_linear_available():
         pytest.skip("this torch build has no oneDNN bf16 linear")
     monkeypatch.setattr(batch_gemm, "packed_linear_available", lambda: packed)
+    monkeypatch.setattr(batch_gemm, "bf16_library", lambda: None)
     w = np.random.default_rng(5).standard_normal((96, 160)).astype(np.float32)
     blocks = quantized(w, Q.Q4_1)
     kernel: Any = make_kernel(blocks, torch.float32, CPU, cache=False, native=native())
@@ -132,6 +134,29 @@ def test_native_kernel_bf16_batch_gemm_equals_torchs_bf16_linear(packed: bool, m
         assert y.dtype == torch.float32 and torch.equal(y, F.linear(x.to(torch.bfloat16), dense).float())
     wide = torch.randn(2, 20, 320)[..., ::2]  # [2, 20, 160], not contiguous: rows of both prompts together
     assert torch.equal(kernel(wide), F.linear(wide.to(torch.bfloat16), dense).float())
+
+
+def test_native_kernel_bf16_batch_gemm_on_bf16_gemm_c() -> None:
+    # batch_gemm.py NOTE 2: with bf16_gemm.c the copy's products are the float32 sums of the same bf16
+    # products, finer than torch's bf16 linear (whose outputs are rounded to bf16).
+    if batch_gemm.bf16_library() is None:
+        pytest.skip("bf16_gemm.c needs AVX512-BF16")
+    w = np.random.default_rng(5).standard_normal((96, 160)).astype(np.float32)
+    blocks = quantized(w, Q.Q4_1)
+    kernel: Any = make_kernel(blocks, torch.float32, CPU, cache=False, native=native())
+    kernel.keep_bf16_copy()
+    assert kernel._bf16._lib is not None and not kernel._bf16.packed
+    dense = blocks.dequantize().to(torch.bfloat16)
+    for m in (COPY_GEMM_ROWS, NATIVE_GEMM_ROWS, 33, 300):
+        x = torch.randn(m, 160)
+        y = kernel(x)
+        exact = x.to(torch.bfloat16).double() @ dense.double().T
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-4)
+        torch_bf16 = F.linear(x.to(torch.bfloat16), dense).double()
+        assert (y.double() - exact).abs().mean() < (torch_bf16 - exact).abs().mean() / 10
+    wide = torch.randn(2, 20, 320)[..., ::2]  # [2, 20, 160], not contiguous: rows of both prompts together
+    assert torch.equal(kernel(wide), kernel(wide.contiguous()))
 
 
 def test_native_kernel_falls_back_to_aten_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
