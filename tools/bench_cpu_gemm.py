@@ -7,14 +7,16 @@
 Per shape (N x K: output columns x inputs, SmolLM2's matrices by default) and row count M, each kernel on the
 same random blocks:
 
-    bf16     the bf16 copy packed for oneDNN (batch_gemm.Bf16Matrix: the batch path before int8_gemm)
+    bf16     the bf16 copy in bf16_gemm.c's panels (batch_gemm.Bf16Matrix: the default batch path on bf16 units)
+    onednn   the bf16 copy packed for oneDNN (Bf16Matrix(own_kernel=False): the batch path before bf16_gemm.c)
     int8     int8_gemm.c (Int8Matrix: int8 activations per 32, vpdpbusd); one column per --tiles entry
     int8x2   int8_gemm.c with 16-bit activations as two int8 halves (its NOTE 4: twice the vpdpbusd)
     c        gguf_cpu.c's gguf_matmul (the decode kernel, int16 activations) at the same M
 
 `--cold 30` cycles each kernel through 30 copies of the matrix (a model's layers), so the weights arrive from
 memory as they do in the engine; without it the same matrix stays in cache. The kernels run interleaved, round after round (A B C A B C ...), so a neighbour's load lands on all of them;
-the load average is printed at the start and the end. The last columns are bf16's time over each int8 column's.
+the load average is printed at the start and the end. The last columns are bf16's time over each other column's
+but c's (onednn, then the int8 builds).
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ def main() -> None:
         raise SystemExit("int8_gemm.c unavailable on this CPU / build")
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} type {args.type} loadavg {_loadavg()} "
           f"cpus {os.cpu_count()} int8 tile {libs[None].tile if libs[None] else '?'}")
-    names = ["bf16"] + [f"int8{'' if t is None else '_' + 'x'.join(map(str, t))}" for t in tiles] + ["int8x2"]
+    names = ["bf16", "onednn"] + [f"int8{'' if t is None else '_' + 'x'.join(map(str, t))}" for t in tiles] + ["int8x2"]
     names += [] if args.no_c else ["c"]
-    print(f"{'thr':>3} {'N':>6} {'K':>5} {'M':>4} " + " ".join(f"{n:>10}" for n in names) + "  bf16/int8")
+    print(f"{'thr':>3} {'N':>6} {'K':>5} {'M':>4} " + " ".join(f"{n:>10}" for n in names) + "  bf16/onednn, bf16/int8")
     gen = torch.Generator().manual_seed(0)
     copies = max(1, args.cold)
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -84,8 +86,8 @@ def main() -> None:
             sets: list[list[Any]] = []  # per copy: the kernels' matrices, then the blocks for gguf_cpu.c
             for _ in range(copies):
                 blocks = random_blocks(ggml_type, n, k, gen, torch.device("cpu")).data.contiguous()
-                bf16 = Bf16Matrix(NativeKernel(blocks, int(ggml_type), (n, k), native).dequantize())
-                mats: list[Any] = [bf16]
+                dense = NativeKernel(blocks, int(ggml_type), (n, k), native).dequantize()
+                mats: list[Any] = [Bf16Matrix(dense), Bf16Matrix(dense, own_kernel=False)]
                 mats += [Int8Matrix(libs[t], int(ggml_type), blocks, n, k) for t in tiles]  # type: ignore[arg-type]
                 mats.append(Int8Matrix(libs[None], int(ggml_type), blocks, n, k, precise=True))  # type: ignore[arg-type]
                 sets.append([*mats, blocks])
@@ -105,7 +107,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for i, f in enumerate(fns):
                         best[i] = min(best[i], _time(f, inner) / copies)
-                ratio = " ".join(f"{best[0] / b:.2f}" for b in best[1 : 2 + len(tiles)])
+                ratio = " ".join(f"{best[0] / b:.2f}" for b in best[1 : 3 + len(tiles)])
                 times = " ".join(f"{b * 1e3:>10.3f}" for b in best)
                 print(f"{threads:>3} {n:>6} {k:>5} {m:>4} {times}  {ratio}", flush=True)
     print(f"# end loadavg {_loadavg()}")

@@ -38,10 +38,11 @@ def packed_linear_available() -> bool:
 class Bf16Matrix:
     """W [N, K] in bf16 for y = x @ W^T (NOTE 1, 2 on its layout); y in `out_dtype`, the model's activations."""
 
-    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32, own_kernel: bool = True) -> None:
+        """`own_kernel` False keeps oneDNN even where bf16_gemm.c builds (tools/bench_cpu_gemm.py's baseline)."""
         self.n, self.k = weight.shape
         self.out_dtype = out_dtype
-        self._lib = bf16_library() if self.k % 2 == 0 else None  # NOTE 2
+        self._lib = bf16_library() if own_kernel and self.k % 2 == 0 else None  # NOTE 2
         self.packed = self._lib is None and packed_linear_available()
         if self._lib is not None:
             self.weight = self._lib.pack(weight)

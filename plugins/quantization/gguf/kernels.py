@@ -54,11 +54,12 @@ NATIVE_GEMM_ROWS = 16
 COPY_GEMM_ROWS = 8
 INT8_COPY_ROWS = 2
 # NOTE 4: on a CPU with bf16 dot products (AMX / AVX512-BF16) the >= COPY_GEMM_ROWS products run a bf16 GEMM
-# on a bf16 copy of the matrix made once at load (`keep_bf16_copy`, packed for oneDNN: batch_gemm.py; the
-# engine's `cpu_kernels`, chosen in pagedllm's platform/cpu_compute.py) instead of dequantizing to float32 per
-# call: torch's bf16 GEMM ran ~2-3.5x its float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC, and the per-call
-# dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a bf16 GEMV at SmolLM2's widths
-# costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
+# on a bf16 copy of the matrix made once at load (`keep_bf16_copy`, in bf16_gemm.c's panels where it builds,
+# else packed for oneDNN: batch_gemm.py; the engine's `cpu_kernels`, chosen in pagedllm's
+# platform/cpu_compute.py) instead of dequantizing to float32 per call: torch's bf16 GEMM ran ~2-3.5x its
+# float32 GEMM at 32-256 rows on an AVX512-BF16 EPYC (bf16_gemm.c 1.35-2x oneDNN's at 16-64), and the per-call
+# dequantization (424 MB of float32 writes per SmolLM2 step) is gone. Fewer rows (decode) keep the C kernel: a
+# bf16 GEMV at SmolLM2's widths costs ~40 us a call in fixed overhead, more than the C kernel's whole product.
 # NOTE 5: with `cpu_kernels: int8` (AVX512-VNNI), the >= INT8_COPY_ROWS products run int8_gemm.c instead, on an int8
 # copy of the matrix made once at load (`keep_int8_copy`: the 4-bit values unpacked to bytes, their per-32
 # scales kept) with the activations rounded to int8 per 32 as llama.cpp does; 1.6-2.6x the bf16 GEMM at
